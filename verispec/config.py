@@ -1,0 +1,107 @@
+"""Engine-wide configuration and its defaults.
+
+Everything a user can set on `LLM(...)` lands in one `EngineConfig`; the engine's parts read it and
+never look at keyword arguments themselves, so a default lives in exactly one place.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class LogprobsMode(str, enum.Enum):
+    """Which scores a request's logprobs report (DESIGN.md section 4)."""
+
+    RAW_LOGPROBS = "raw_logprobs"
+    RAW_LOGITS = "raw_logits"
+    PROCESSED_LOGPROBS = "processed_logprobs"
+    PROCESSED_LOGITS = "processed_logits"
+
+    @classmethod
+    def parse(cls, value: "LogprobsMode | str", field: str = "logprobs_mode") -> "LogprobsMode":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            valid = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{field} must be one of {valid}; got {value!r}") from None
+
+    @property
+    def is_raw(self) -> bool:
+        return self in (LogprobsMode.RAW_LOGPROBS, LogprobsMode.RAW_LOGITS)
+
+    @property
+    def is_logprobs(self) -> bool:
+        return self in (LogprobsMode.RAW_LOGPROBS, LogprobsMode.PROCESSED_LOGPROBS)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: "str | torch.dtype") -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}; got {dtype!r}")
+
+
+def parse_device(device: "str | torch.device") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but no CUDA device is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    return dev
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Resolved engine options. Built by `LLM` from its keyword arguments."""
+
+    model: str | None = None
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    # Pool size: an explicit block count wins over a byte budget; with neither, the pool holds
+    # max_num_seqs full-length sequences, capped by kv_cache_bytes' default below.
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    seed: int = 0
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
+    max_logprobs: int = 20
+    # Rows of logits processed at once when computing prompt logprobs; bounds peak memory.
+    prompt_logprobs_chunk_rows: int = 256
+    num_threads: int | None = None
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1; got {self.kv_cache_bytes}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1; got {self.max_logprobs!r}")

@@ -1,0 +1,219 @@
+"""LLMEngine: add_request / abort / step(), tying scheduler, runner and output processing together."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.config import EngineConfig
+from verispec.engine.kv_cache import BlockPool, bytes_per_block
+from verispec.engine.output_processor import OutputProcessor
+from verispec.engine.request import RandomStreams, Request, RequestStatus
+from verispec.engine.runner import ModelRunner
+from verispec.engine.scheduler import Scheduler
+from verispec.models.default import default_model_path
+from verispec.models.llama import LlamaModel
+from verispec.models.loader import load_checkpoint, load_tokenizer
+from verispec.outputs import RequestOutput
+from verispec.sampling_params import SamplingParams
+
+logger = logging.getLogger("verispec")
+
+# Without an explicit pool size the KV cache takes at most this much memory.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class _Parent:
+    """A user request; with n > 1 it fans out into n engine requests (children)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model_path = config.model or default_model_path()
+        self.model_path = model_path
+        model_cfg, weights = load_checkpoint(model_path, config.dtype)
+        self.model_config = model_cfg
+        self.model = LlamaModel(model_cfg, weights).to(config.device).eval()
+        del weights
+        self.tokenizer = load_tokenizer(model_path)
+        limit = model_cfg.max_position_embeddings
+        if config.max_model_len is None:
+            config.max_model_len = limit
+        elif config.max_model_len > limit:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length ({limit})")
+        self.max_model_len = config.max_model_len
+        self.vocab_size = model_cfg.vocab_size
+        eos = set(model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        self.pool = BlockPool(self._num_blocks(), config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, config, self.pool)
+        self.output = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+        self._arrival = itertools.count()
+        self._seed_gen = torch.Generator().manual_seed(config.seed)
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        per_block = bytes_per_block(self.model_config, c.block_size, c.dtype)
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_bytes is not None:
+            n = c.kv_cache_bytes // per_block
+            if n < 1:
+                raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block ({per_block} bytes each)")
+            return n
+        want = c.max_num_seqs * -(-c.max_model_len // c.block_size)
+        return max(1, min(want, DEFAULT_KV_CACHE_BYTES // per_block))
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = SamplingParams() if params is None else params
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        params.check_against_model(self.vocab_size, self.config.max_logprobs)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        if not self.pool.can_ever_fit(len(ids) + max_tokens):
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs "
+                f"{self.pool.blocks_needed(len(ids) + max_tokens)} KV blocks but the pool has "
+                f"{self.pool.num_blocks}; lower max_tokens or raise num_kv_blocks / kv_cache_bytes"
+            )
+        params = params.clone()
+        params._bad_words_token_ids = self._bad_word_ids(params.bad_words)
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        mode = params.logprobs_mode or self.config.logprobs_mode
+        parent = _Parent(request_id, text, ids)
+        base_seed = params.seed
+        if base_seed is None:
+            base_seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+        wants_logprobs = params.logprobs is not None or params.logprob_token_ids is not None
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                request_id=child_id,
+                prompt=text,
+                prompt_token_ids=ids,
+                params=params,
+                logprobs_mode=mode,
+                streams=RandomStreams(base_seed if i == 0 else f"{base_seed}:{i}", self.config.device),
+                stop_ids=stop_ids,
+                max_tokens=max_tokens,
+                arrival=next(self._arrival),
+                logprobs=[] if wants_logprobs else None,
+            )
+            parent.children.append(req)
+            self._child_parent[child_id] = request_id
+            self.scheduler.add(req)
+        self._parents[request_id] = parent
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                "the prompt must leave room for at least one generated token"
+            )
+
+    def _bad_word_ids(self, words: list[str] | None) -> list[list[int]]:
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this model has none")
+        seqs = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for req in parent.children:
+            if not req.is_finished:
+                req.status = RequestStatus.FINISHED_ABORTED
+            self.scheduler.finish(req)
+            self._child_parent.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched)
+        touched: dict[str, None] = {}
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            tokens = result.sampled.get(req.request_id)
+            if tokens:
+                self.output.append_tokens(req, tokens, result.logprobs.get(req.request_id))
+                touched[self._child_parent[req.request_id]] = None
+            if req.is_finished:
+                self.scheduler.finish(req)
+        return [self._parent_output(pid) for pid in touched]
+
+    def _parent_output(self, parent_id: str) -> RequestOutput:
+        parent = self._parents[parent_id]
+        outputs = [self.output.completion(req, i) for i, req in enumerate(parent.children)]
+        finished = all(req.is_finished for req in parent.children)
+        if finished:
+            del self._parents[parent_id]
+            for req in parent.children:
+                self._child_parent.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=parent_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=outputs,
+            finished=finished,
+        )
+
+    def stats(self) -> dict:
+        return {
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_free": self.pool.num_free_blocks,
+            "kv_cache_usage": self.pool.usage,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

@@ -1,0 +1,112 @@
+"""Host-side output processing: append tokens, detokenize, check stops, build logprob dicts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from verispec.engine.request import Request, RequestStatus
+from verispec.outputs import CompletionOutput, Logprob, LogprobsLists
+
+# Incomplete UTF-8 at the end of a decode shows as U+FFFD; such text is held back a step.
+_REPLACEMENT = "\ufffd"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ text
+    def token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        if self.tokenizer is None or not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ logprobs
+    def logprob_dicts(self, req: Request, lists: LogprobsLists, num_rows: int) -> list[dict[int, Logprob]]:
+        p = req.params
+        width = len(p.logprob_token_ids) if p.logprob_token_ids is not None else p.logprobs or 0
+        if width == -1:
+            width = lists.logprobs.shape[1] - 1
+        out = []
+        for r in range(num_rows):
+            ids = lists.logprob_token_ids[r]
+            vals = lists.logprobs[r]
+            chosen = int(ids[0])
+            entry = {chosen: Logprob(float(vals[0]), int(lists.selected_token_ranks[r]), self.token_text(chosen))}
+            custom = p.logprob_token_ids is not None
+            for j in range(1, width + 1):
+                tok = int(ids[j])
+                if tok not in entry:
+                    entry[tok] = Logprob(float(vals[j]), None if custom else j, self.token_text(tok))
+            out.append(entry)
+        return out
+
+    # ------------------------------------------------------------------ tokens
+    def append_tokens(self, req: Request, tokens: list[int], lists: LogprobsLists | None) -> None:
+        """Appends sampled tokens one by one, stopping at the first stop condition."""
+        p = req.params
+        dicts = self.logprob_dicts(req, lists, len(tokens)) if lists is not None else None
+        for i, tok in enumerate(tokens):
+            req.token_ids.append(tok)
+            if dicts is not None:
+                req.logprobs.append(dicts[i])
+                req.cumulative_logprob += float(np.float32(lists.logprobs[i, 0]))
+            n_out = req.num_output_tokens
+            if tok in req.stop_ids and n_out > p.min_tokens:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = None if tok not in (p.stop_token_ids or []) else tok
+                break
+            if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                req.status = RequestStatus.FINISHED_LENGTH
+                break
+        self._update_text(req)
+
+    def _update_text(self, req: Request) -> None:
+        p = req.params
+        ids = req.output_token_ids
+        if req.status == RequestStatus.FINISHED_STOPPED:
+            ids = ids[:-1]  # the stop token itself is not part of the text
+        text = self.decode(ids, p.skip_special_tokens)
+        if not req.is_finished and text.endswith(_REPLACEMENT):
+            text = text.rstrip(_REPLACEMENT)
+        if p.stop and self.tokenizer is not None:
+            hit = self._find_stop(text, p.stop, len(req.output_text))
+            if hit is not None:
+                pos, stop = hit
+                text = text[: pos + len(stop)] if p.include_stop_str_in_output else text[:pos]
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = stop
+        req.output_text = text
+
+    @staticmethod
+    def _find_stop(text: str, stops: list[str], old_len: int) -> tuple[int, str] | None:
+        best = None
+        for stop in stops:
+            # Only text that is new this step can complete a stop string.
+            pos = text.find(stop, max(0, old_len - len(stop) + 1))
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        return best
+
+    def completion(self, req: Request, index: int) -> CompletionOutput:
+        finished = req.is_finished
+        return CompletionOutput(
+            index=index,
+            text=req.output_text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=req.logprobs,
+            finish_reason=req.status.value if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+        )

@@ -1,0 +1,94 @@
+"""Per-request engine state: token ids, progress through the cache, status and random streams."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from verispec.config import LogprobsMode
+from verispec.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class RandomStreams:
+    """Independent torch.Generators for one request, one per purpose.
+
+    Drafting, acceptance and recovery each draw from their own stream: sharing one stream
+    correlates the acceptance test with the recovered token and biases the output.
+    """
+
+    __slots__ = ("sample", "draft", "accept", "recover")
+
+    def __init__(self, seed: int | str, device: torch.device):
+        for name in self.__slots__:
+            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+            setattr(self, name, gen)
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    logprobs_mode: LogprobsMode
+    streams: RandomStreams
+    stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) + stop_token_ids
+    max_tokens: int
+    arrival: int
+    # prompt + output tokens; the cache holds the first num_computed_tokens of them
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # Output side, filled by the output processor.
+    output_text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Any]] | None = None
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
+    num_prompt_logprob_rows: int = 0  # prompt positions whose logprobs are done
+    detok: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

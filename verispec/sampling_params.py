@@ -1,0 +1,174 @@
+"""SamplingParams: vLLM's field names and meanings, validated on construction.
+
+Every invalid value raises `ValueError` naming the field and the allowed range. Checks that need the
+model (vocab size, context length) run in `check_against_model`, called when a request is added.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+from verispec.config import LogprobsMode
+
+MAX_LOGPROB_TOKEN_IDS = 128
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    logprobs_mode: LogprobsMode | str | None = None
+    # Filled by the engine from `bad_words` with its tokenizer; not a user field.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1; got {self.n!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1; got {self.top_k!r}")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1]; got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None; got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0; got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}); got {self.min_tokens}"
+            )
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them; got {self.stop!r}")
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = self._int_list("stop_token_ids", self.stop_token_ids, lo=0)
+        if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
+            raise ValueError(f"repetition_penalty must be in (0, 100]; got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2]; got {value!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = self._check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._int_list("allowed_token_ids", self.allowed_token_ids, lo=0)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words
+            ):
+                raise ValueError(f"bad_words must be a list of non-empty strings; got {self.bad_words!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(f"{name} must be None, -1 (full vocabulary) or an integer >= 0; got {value!r}")
+        if self.logprob_token_ids is not None:
+            ids = self._int_list("logprob_token_ids", self.logprob_token_ids, lo=0)
+            if not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS:
+                raise ValueError(
+                    f"logprob_token_ids must hold 1 to {MAX_LOGPROB_TOKEN_IDS} ids; got {len(ids)}"
+                )
+            if self.logprobs is not None and self.logprobs != len(ids):
+                raise ValueError(
+                    f"logprobs must equal len(logprob_token_ids) ({len(ids)}) when both are set; "
+                    f"got {self.logprobs}"
+                )
+            self.logprob_token_ids = ids
+        if self.logprobs_mode is not None:
+            self.logprobs_mode = LogprobsMode.parse(self.logprobs_mode)
+
+    @staticmethod
+    def _int_list(name: str, value: object, lo: int) -> list[int]:
+        if not isinstance(value, (list, tuple)) or not all(_is_int(v) and v >= lo for v in value):
+            raise ValueError(f"{name} must be a list of integers >= {lo}; got {value!r}")
+        return list(value)
+
+    @staticmethod
+    def _check_logit_bias(bias: object) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias; got {bias!r}")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids; got {key!r}") from None
+            if token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0; got {key!r}")
+            if not _is_number(value) or not (-100.0 <= value <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100]; got {value!r} for {key!r}")
+            out[token] = float(value)
+        return out
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_active(self) -> bool:
+        return self.top_k > 0
+
+    def check_against_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the loaded model; raised when the request is added."""
+        for name in ("allowed_token_ids", "stop_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name)
+            if ids and max(ids) >= vocab_size:
+                raise ValueError(f"{name} holds id {max(ids)}, outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias and max(self.logit_bias) >= vocab_size:
+            raise ValueError(
+                f"logit_bias holds id {max(self.logit_bias)}, outside the vocabulary [0, {vocab_size})"
+            )
+        if max_logprobs != -1:
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(self, name)
+                if value is not None and (value == -1 or value > max_logprobs):
+                    raise ValueError(
+                        f"{name}={value} exceeds max_logprobs={max_logprobs}; "
+                        "start the engine with a larger max_logprobs (or -1 for no cap)"
+                    )
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
