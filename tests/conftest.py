@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny random HF checkpoints (fast oracles) and the bundled SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+TINY_VOCAB = 512
+
+
+def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
+    """A tiny random HF model saved with save_pretrained; weights scaled up so that greedy
+    decoding is not a sea of near-ties."""
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    cfg_cls, model_cls = classes[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[arch])
+    model = model_cls(cfg_cls(**common)).eval()
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_checkpoint(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints) -> str:
+    return tiny_checkpoints["llama"]
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from verispec.models.default import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    from verispec import LLM
+
+    return LLM(max_num_batched_tokens=64, num_kv_blocks=256)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(smollm2_path)
+    return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers generate as the oracle: greedy, exactly max_new_tokens, one prompt."""
+    ids = torch.tensor([prompt])
+    # No EOS at all (rather than min_new_tokens, which would mask EOS and change the argmax):
+    # this matches the engine's ignore_eos=True.
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()

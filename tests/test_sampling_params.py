@@ -1,0 +1,236 @@
+"""SamplingParams validation: every invalid field raises ValueError naming the field."""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from verispec.config import LogprobsMode
+from verispec.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams
+
+INVALID = [
+    (dict(temperature=-1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="1.0"), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=-0.1), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(top_k=True), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(seed=1.5), "seed"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(max_tokens=4.0), "max_tokens"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(n=0), "n"),
+    (dict(n=1.0), "n"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=101.0), "repetition_penalty"),
+    (dict(presence_penalty=3), "presence_penalty"),
+    (dict(presence_penalty=-2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(frequency_penalty=2.01), "frequency_penalty"),
+    (dict(logit_bias={5: 200}), "logit_bias"),
+    (dict(logit_bias={5: -100.5}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"abc": 1.0}), "logit_bias"),
+    (dict(logit_bias=[1, 2]), "logit_bias"),
+    (dict(stop=""), "stop"),
+    (dict(stop=["ok", ""]), "stop"),
+    (dict(stop=[1]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-5]), "allowed_token_ids"),
+    (dict(bad_words=[""]), "bad_words"),
+    (dict(bad_words="word"), "bad_words"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(logprobs=1.0), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
+    (dict(logprob_token_ids=list(range(MAX_LOGPROB_TOKEN_IDS + 1))), "logprob_token_ids"),
+    (dict(logprob_token_ids=[]), "logprob_token_ids"),
+    (dict(logprob_token_ids=[-1]), "logprob_token_ids"),
+    (dict(logprob_token_ids=[1, 2, 3], logprobs=2), "logprobs"),
+    (dict(logprobs_mode="raw_logrobs"), "logprobs_mode"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", INVALID, ids=[f"{f}-{i}" for i, (_, f) in enumerate(INVALID)])
+def test_invalid_field_raises_value_error_naming_it(kwargs, field):
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**kwargs)
+    assert field in str(exc.value), str(exc.value)
+
+
+def test_logprob_token_ids_129_ids_states_limit():
+    with pytest.raises(ValueError, match="logprob_token_ids") as exc:
+        SamplingParams(logprob_token_ids=list(range(129)))
+    assert "128" in str(exc.value)
+
+
+def test_logprob_token_ids_and_logprobs_mismatch_message():
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(logprob_token_ids=[3, 4, 5], logprobs=5)
+    msg = str(exc.value)
+    assert "logprobs" in msg and "logprob_token_ids" in msg and "3" in msg
+
+
+def test_bad_logprobs_mode_lists_the_four_valid_values():
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(logprobs_mode="raw_logrobs")
+    msg = str(exc.value)
+    assert "logprobs_mode" in msg
+    for value in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
+        assert value in msg
+    assert "raw_logrobs" in msg  # echoes what was given
+
+
+def test_min_tokens_greater_than_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=9)
+    # Equal is fine, and max_tokens=None lifts the bound.
+    SamplingParams(min_tokens=9, max_tokens=9)
+    SamplingParams(min_tokens=1000, max_tokens=None)
+
+
+def test_valid_params_construct():
+    p = SamplingParams()
+    assert p.n == 1 and p.temperature == 1.0 and not p.greedy
+    assert SamplingParams(temperature=0).greedy
+    p = SamplingParams(
+        n=3, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, max_tokens=100, min_tokens=3,
+        stop="###", stop_token_ids=[2, 3], ignore_eos=True, include_stop_str_in_output=True,
+        repetition_penalty=1.2, presence_penalty=-2, frequency_penalty=2, logit_bias={"5": 100, 7: -100.0},
+        allowed_token_ids=[1, 2, 3], bad_words=["foo", "bar baz"], logprobs=2, prompt_logprobs=-1,
+        logprob_token_ids=[4, 5], logprobs_mode="processed_logits",
+    )
+    assert p.stop == ["###"]  # a string is normalised to a list
+    assert p.logit_bias == {5: 100.0, 7: -100.0}
+    assert all(type(k) is int and type(v) is float for k, v in p.logit_bias.items())
+    assert p.logprobs_mode is LogprobsMode.PROCESSED_LOGITS
+    assert p.top_k_active
+    # Boundaries that are allowed.
+    for kw in (
+        dict(top_k=-1), dict(top_k=0), dict(top_p=1.0), dict(min_p=0.0), dict(min_p=1.0),
+        dict(repetition_penalty=100.0), dict(presence_penalty=2.0), dict(frequency_penalty=-2.0),
+        dict(logit_bias={0: -100, 1: 100}), dict(logprobs=-1), dict(logprobs=0), dict(max_tokens=None),
+        dict(logprob_token_ids=list(range(MAX_LOGPROB_TOKEN_IDS)), logprobs=MAX_LOGPROB_TOKEN_IDS),
+        dict(logprobs_mode=LogprobsMode.RAW_LOGITS), dict(stop=["a", "b"]), dict(stop_token_ids=()),
+    ):
+        SamplingParams(**kw)
+
+
+def test_clone_is_deep():
+    p = SamplingParams(stop=["x"], logit_bias={1: 1.0})
+    q = p.clone()
+    q.stop.append("y")
+    q.logit_bias[2] = 2.0
+    assert p.stop == ["x"] and p.logit_bias == {1: 1.0}
+
+
+# ---------------------------------------------------------------- check_against_model
+def test_check_against_model_out_of_vocab_allowed_id():
+    p = SamplingParams(allowed_token_ids=[0, 5, 100])
+    with pytest.raises(ValueError) as exc:
+        p.check_against_model(vocab_size=100, max_logprobs=20)
+    msg = str(exc.value)
+    assert "allowed_token_ids" in msg and "100" in msg
+    SamplingParams(allowed_token_ids=[0, 99]).check_against_model(vocab_size=100, max_logprobs=20)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(stop_token_ids=[100]), "stop_token_ids"),
+    (dict(logprob_token_ids=[1, 100]), "logprob_token_ids"),
+    (dict(logit_bias={100: 1.0}), "logit_bias"),
+])
+def test_check_against_model_other_out_of_vocab_ids(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs).check_against_model(vocab_size=100, max_logprobs=20)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_check_against_model_logprobs_above_cap(field):
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**{field: 21}).check_against_model(vocab_size=100, max_logprobs=20)
+    msg = str(exc.value)
+    assert field in msg and "max_logprobs=20" in msg
+    # -1 (full vocabulary) is above any finite cap.
+    with pytest.raises(ValueError, match="max_logprobs=20"):
+        SamplingParams(**{field: -1}).check_against_model(vocab_size=100, max_logprobs=20)
+    # At the cap, or with no cap, it is fine.
+    SamplingParams(**{field: 20}).check_against_model(vocab_size=100, max_logprobs=20)
+    SamplingParams(**{field: -1}).check_against_model(vocab_size=100, max_logprobs=-1)
+
+
+# ---------------------------------------------------------------- property test
+def _hits_known_bug(kwargs) -> bool:
+    t = kwargs.get("temperature")
+    if isinstance(t, int) and not isinstance(t, bool) and abs(t) > 1e308:
+        return True
+    bias = kwargs.get("logit_bias")
+    return isinstance(bias, dict) and any(isinstance(k, float) and math.isinf(k) for k in bias)
+
+
+_weird = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**6), max_value=10**6),
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.lists(st.integers(min_value=-5, max_value=300), max_size=5),
+    st.lists(st.text(max_size=3), max_size=3),
+    st.dictionaries(st.integers(-5, 300), st.floats(allow_nan=True), max_size=3),
+    st.dictionaries(st.one_of(st.text(max_size=3), st.floats(), st.integers(-5, 5)), st.integers(-300, 300), max_size=3),
+    st.sampled_from(["raw_logprobs", "processed_logits", "raw_logrobs", ""]),
+    st.tuples(st.integers(0, 5)),
+)
+
+FIELDS = [
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens", "logprobs",
+    "prompt_logprobs", "logprob_token_ids", "logprobs_mode",
+]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(FIELDS), _weird, max_size=6))
+def test_random_fields_construct_or_raise_value_error(kwargs):
+    # The two known engine bugs have their own strict-xfail tests below; keep them out of here so
+    # this test stays deterministic. Remove this `assume` once they are fixed.
+    assume(not _hits_known_bug(kwargs))
+    try:
+        p = SamplingParams(**kwargs)
+    except ValueError:
+        return
+    # Whatever constructed must also survive the model checks with ValueError only.
+    try:
+        p.check_against_model(vocab_size=100, max_logprobs=20)
+    except ValueError:
+        pass
+
+
+# Found by the property test above; kept as explicit regressions.
+@pytest.mark.xfail(reason="engine bug: math.isfinite(huge int) raises OverflowError, not ValueError", strict=True)
+def test_huge_int_temperature_is_value_error():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=10**400)
+
+
+@pytest.mark.xfail(reason="engine bug: int(float('inf')) key raises OverflowError, not ValueError", strict=True)
+def test_infinite_logit_bias_key_is_value_error():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={float("inf"): 1.0})
