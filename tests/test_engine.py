@@ -4,7 +4,6 @@ prefill and preemption; seeded determinism; aborts and block accounting."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conftest import hf_greedy, hf_model, random_prompts
 from verispec import LLM, SamplingParams

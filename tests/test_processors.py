@@ -132,12 +132,6 @@ def test_each_row_processed_alone_equals_in_batch():
         assert_same_masked_close(batched[i : i + 1], alone, tol=1e-6)
 
 
-@pytest.mark.xfail(
-    reason="engine bug: apply_top_k_top_p runs top_p on every row once any row has top_p < 1; for a row "
-    "with top_p=1 the test `cum <= 1 - top_p` becomes `cum <= 0`, which masks to -inf every token whose "
-    "fp32 probability underflows to 0, so processed logits/logprobs depend on the other rows",
-    strict=True,
-)
 def test_top_p_off_row_is_batch_invariant_at_low_temperature():
     vocab = 1000
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)) * 3.0

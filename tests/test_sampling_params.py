@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verispec.config import LogprobsMode
@@ -175,14 +174,6 @@ def test_check_against_model_logprobs_above_cap(field):
 
 
 # ---------------------------------------------------------------- property test
-def _hits_known_bug(kwargs) -> bool:
-    t = kwargs.get("temperature")
-    if isinstance(t, int) and not isinstance(t, bool) and abs(t) > 1e308:
-        return True
-    bias = kwargs.get("logit_bias")
-    return isinstance(bias, dict) and any(isinstance(k, float) and math.isinf(k) for k in bias)
-
-
 _weird = st.one_of(
     st.none(),
     st.booleans(),
@@ -209,9 +200,6 @@ FIELDS = [
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(FIELDS), _weird, max_size=6))
 def test_random_fields_construct_or_raise_value_error(kwargs):
-    # The two known engine bugs have their own strict-xfail tests below; keep them out of here so
-    # this test stays deterministic. Remove this `assume` once they are fixed.
-    assume(not _hits_known_bug(kwargs))
     try:
         p = SamplingParams(**kwargs)
     except ValueError:
@@ -223,14 +211,12 @@ def test_random_fields_construct_or_raise_value_error(kwargs):
         pass
 
 
-# Found by the property test above; kept as explicit regressions.
-@pytest.mark.xfail(reason="engine bug: math.isfinite(huge int) raises OverflowError, not ValueError", strict=True)
+# Found by the property test above (OverflowError escaped); kept as explicit regressions.
 def test_huge_int_temperature_is_value_error():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=10**400)
 
 
-@pytest.mark.xfail(reason="engine bug: int(float('inf')) key raises OverflowError, not ValueError", strict=True)
 def test_infinite_logit_bias_key_is_value_error():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={float("inf"): 1.0})

@@ -20,7 +20,13 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite real number (ints too large for a float are not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass(slots=True)
@@ -58,7 +64,7 @@ class SamplingParams:
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1; got {self.n!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
@@ -131,10 +137,13 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a dict of token id -> bias; got {bias!r}")
         out: dict[int, float] = {}
         for key, value in bias.items():
-            try:
+            # JSON objects have string keys, so "42" is token 42; 1.5 or True is not a token id.
+            if _is_int(key):
+                token = key
+            elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
                 token = int(key)
-            except (TypeError, ValueError):
-                raise ValueError(f"logit_bias keys must be token ids; got {key!r}") from None
+            else:
+                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
             if token < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0; got {key!r}")
             if not _is_number(value) or not (-100.0 <= value <= 100.0):

@@ -57,7 +57,7 @@ class SamplingMetadata:
             mps.append(float(p.min_p))
             if not r.position_independent:
                 any_pen |= p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                any_sparse |= bool(p.bad_words or (p.min_tokens and len(r.output_ids) < p.min_tokens))
+                any_sparse |= bool(p._bad_words_token_ids or (p.min_tokens and len(r.output_ids) < p.min_tokens))
             any_sparse |= bool(p.allowed_token_ids or p.logit_bias)
         return cls(
             rows=rows,

@@ -111,5 +111,7 @@ def apply_top_k_top_p(out: torch.Tensor, top_k: torch.Tensor | None, top_p: torc
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= (1 - top_p)[:, None]
         drop[:, -1] = False
+        # Rows with top_p off must not lose the tokens whose fp32 mass rounds to zero.
+        drop &= (top_p < 1.0)[:, None]
         sorted_logits.masked_fill_(drop, NEG_INF)
     return torch.empty_like(out).scatter_(1, order, sorted_logits)
