@@ -130,6 +130,8 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 arrival=next(self._arrival),
                 logprobs=[] if wants_logprobs else None,
+                # Every child shares the prompt: only the first one scores it.
+                prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
             )
             parent.children.append(req)
             self._child_parent[child_id] = request_id
@@ -183,6 +185,9 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            prompt_rows = result.prompt_logprobs.get(req.request_id)
+            if prompt_rows is not None:
+                self.output.append_prompt_logprobs(req, *prompt_rows)
             tokens = result.sampled.get(req.request_id)
             if tokens:
                 self.output.append_tokens(req, tokens, result.logprobs.get(req.request_id))
@@ -203,7 +208,7 @@ class LLMEngine:
             request_id=parent_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=None,
+            prompt_logprobs=parent.children[0].prompt_logprobs,
             outputs=outputs,
             finished=finished,
         )

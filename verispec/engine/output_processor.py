@@ -33,9 +33,11 @@ class OutputProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ logprobs
-    def logprob_dicts(self, req: Request, lists: LogprobsLists, num_rows: int) -> list[dict[int, Logprob]]:
-        p = req.params
-        width = len(p.logprob_token_ids) if p.logprob_token_ids is not None else p.logprobs or 0
+    def logprob_dicts(
+        self, lists: LogprobsLists, num_rows: int, width: int, custom: bool = False
+    ) -> list[dict[int, Logprob]]:
+        """One dict per row: the row's own token first (with its rank), then `width` alternatives
+        (top-k, ranked 1..k, or custom ids, unranked). -1 means every column."""
         if width == -1:
             width = lists.logprobs.shape[1] - 1
         out = []
@@ -44,7 +46,6 @@ class OutputProcessor:
             vals = lists.logprobs[r]
             chosen = int(ids[0])
             entry = {chosen: Logprob(float(vals[0]), int(lists.selected_token_ranks[r]), self.token_text(chosen))}
-            custom = p.logprob_token_ids is not None
             for j in range(1, width + 1):
                 tok = int(ids[j])
                 if tok not in entry:
@@ -56,7 +57,11 @@ class OutputProcessor:
     def append_tokens(self, req: Request, tokens: list[int], lists: LogprobsLists | None) -> None:
         """Appends sampled tokens one by one, stopping at the first stop condition."""
         p = req.params
-        dicts = self.logprob_dicts(req, lists, len(tokens)) if lists is not None else None
+        dicts = None
+        if lists is not None:
+            custom = p.logprob_token_ids is not None
+            width = len(p.logprob_token_ids) if custom else p.logprobs or 0
+            dicts = self.logprob_dicts(lists, len(tokens), width, custom)
         for i, tok in enumerate(tokens):
             req.token_ids.append(tok)
             if dicts is not None:
@@ -71,6 +76,14 @@ class OutputProcessor:
                 req.status = RequestStatus.FINISHED_LENGTH
                 break
         self._update_text(req)
+
+    def append_prompt_logprobs(self, req: Request, first: int, lists: LogprobsLists) -> None:
+        """Rows predicting prompt tokens first+1 ...; entry i of the list belongs to prompt token i."""
+        if len(req.prompt_logprobs) != first + 1:
+            raise RuntimeError(f"prompt logprobs out of order for {req.request_id}")
+        n = lists.logprobs.shape[0]
+        req.prompt_logprobs.extend(self.logprob_dicts(lists, n, req.params.prompt_logprobs))
+        req.num_prompt_logprob_rows = first + n
 
     def _update_text(self, req: Request) -> None:
         p = req.params

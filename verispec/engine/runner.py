@@ -22,6 +22,7 @@ from verispec.outputs import LogprobsLists, LogprobsTensors
 from verispec.sample.logprobs import compute_topk_scores
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
+from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.sample.sampler import sample
 
 
@@ -32,6 +33,8 @@ class StepResult:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # Per request: its logprob rows (one per emitted token), already on the host.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Per request: (first prompt position scored, rows predicting the following prompt tokens).
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -41,6 +44,8 @@ class FlatBatch:
     spans: list[SeqSpan]
     sample_rows: list[int]  # flat rows whose logits are sampled
     sample_reqs: list[Request]
+    # (request, first flat row, first prompt position, end position) of prompt rows to score
+    prompt_jobs: list[tuple[Request, int, int, int]]
 
 
 def row_spec(req: Request, generator: torch.Generator | None) -> RowSpec:
@@ -98,7 +103,7 @@ class ModelRunner:
         self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
-        batch = FlatBatch([], [], [], [], [])
+        batch = FlatBatch([], [], [], [], [], [])
         for s in sched.scheduled:
             req, n = s.request, s.num_new_tokens
             start, done = len(batch.input_ids), req.num_computed_tokens
@@ -108,7 +113,28 @@ class ModelRunner:
             if s.samples:
                 batch.sample_rows.append(start + n - 1)
                 batch.sample_reqs.append(req)
+            if req.prompt_logprobs is not None:
+                # Rows at positions [lo, hi) predict prompt tokens lo+1 .. hi. Rows scored before a
+                # preemption are not scored again when the prompt is recomputed.
+                lo = max(done, req.num_prompt_logprob_rows)
+                hi = min(done + n, req.num_prompt_tokens - 1)
+                if lo < hi:
+                    batch.prompt_jobs.append((req, start + lo - done, lo, hi))
         return batch
+
+    def _score_prompts(self, batch: FlatBatch, hidden: torch.Tensor) -> list[tuple[Request, int, LogprobsTensors]]:
+        jobs = []
+        for req, row, lo, hi in batch.prompt_jobs:
+            spec = row_spec(req, None)
+            spec.position_independent = True
+            k = req.params.prompt_logprobs
+            targets = torch.tensor(req.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
+            tensors = score_prompt_rows(
+                self.model.compute_logits, hidden[row : row + hi - lo], targets, spec,
+                self.vocab_size if k == -1 else k, self.vocab_size, self.config.prompt_logprobs_chunk_rows,
+            )
+            jobs.append((req, lo, tensors))
+        return jobs
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -122,24 +148,30 @@ class ModelRunner:
             self.kv.layers,
         )
         result = StepResult()
-        if not batch.sample_rows:
-            return result
-        rows = [row_spec(r, r.streams.sample) for r in batch.sample_reqs]
-        logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
-        md = SamplingMetadata.build(rows, self.vocab_size, dev)
-        processed = apply_processors(logits, md)
-        tokens = sample(processed, md)
-        lp, order = score_rows(logits, processed, tokens, rows, self.vocab_size)
+        prompt_jobs = self._score_prompts(batch, hidden)
+        tokens = lp = None
+        if batch.sample_rows:
+            rows = [row_spec(r, r.streams.sample) for r in batch.sample_reqs]
+            logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
+            md = SamplingMetadata.build(rows, self.vocab_size, dev)
+            processed = apply_processors(logits, md)
+            tokens = sample(processed, md)
+            lp, order = score_rows(logits, processed, tokens, rows, self.vocab_size)
 
         # The step's single device-to-host transfer and synchronisation point.
-        tokens_host = tokens.to("cpu", non_blocking=True)
+        tokens_host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
         lp_host = lp.to_cpu_nonblocking() if lp is not None else None
+        prompt_host = [(req, lo, t.to_cpu_nonblocking()) for req, lo, t in prompt_jobs]
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        for req, tok in zip(batch.sample_reqs, tokens_host.tolist()):
-            result.sampled[req.request_id] = [tok]
+
+        if tokens_host is not None:
+            for req, tok in zip(batch.sample_reqs, tokens_host.tolist()):
+                result.sampled[req.request_id] = [tok]
         if lp_host is not None:
             lists = lp_host.tolists()
             for j, i in enumerate(order):
                 result.logprobs[batch.sample_reqs[i].request_id] = lists.slice_request(j)
+        for req, lo, t in prompt_host:
+            result.prompt_logprobs[req.request_id] = (lo, t.tolists())
         return result

@@ -1,0 +1,208 @@
+"""`verispec bench`: tok/s of verispec against HF transformers and llama.cpp on the bundled model.
+
+All systems run the same chat prompts on SmolLM2-135M-Instruct, greedy, with exactly
+`max_tokens` new tokens per prompt, one system loaded at a time (so they never compete for the
+cores). Each figure is the median of `runs` timed runs after one untimed warm-up; the table also
+says whether each peer's greedy output equals verispec's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verispec.bench.peers import PEERS, Generation, PeerUnavailable, System, load_system
+from verispec.bench.prompts import Prompt, chat_prompts
+from verispec.bench.report import Result, format_ratios, format_table, machine_info, plot, write_json
+
+# Scenario name -> number of distinct prompts submitted at once.
+SCENARIOS: dict[str, int] = {"single": 1, "batch16": 16}
+DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
+QUICK_MAX_TOKENS, QUICK_RUNS = 32, 1
+# The warm-up only has to touch every code path (prefill, decode, allocator, thread pools), not
+# to be long: a few tokens of the real scenario do that and keep --quick quick.
+WARMUP_TOKENS = 8
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    quick: bool
+    peers: list[str]
+    out: Path
+    max_tokens: int
+    runs: int
+    scenarios: list[str]
+    threads: int | None
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: {QUICK_MAX_TOKENS} tokens, {QUICK_RUNS} run (under 3 minutes)")
+    parser.add_argument("--peers", default="hf,llamacpp",
+                        help=f"comma list of peers to compare with: {','.join(PEERS)}, or 'none' (default: %(default)s)")
+    parser.add_argument("--out", default="bench-out", metavar="DIR",
+                        help="where bench.json and bench.png go (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS}; {QUICK_MAX_TOKENS} with --quick)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help=f"timed runs per figure, median reported (default {DEFAULT_RUNS}; {QUICK_RUNS} with --quick)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help="comma list of scenarios (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for every system (default: torch's default, normally all cores)")
+
+
+def _split(value: str) -> list[str]:
+    return list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+
+
+def _resolve(args: argparse.Namespace) -> BenchConfig:
+    quick = bool(getattr(args, "quick", False))
+    peers = _split(getattr(args, "peers", "hf,llamacpp") or "")
+    peers = [] if peers == ["none"] else peers
+    scenarios = _split(getattr(args, "scenarios", None) or ",".join(SCENARIOS))
+    max_tokens = getattr(args, "max_tokens", None) or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS)
+    runs = getattr(args, "runs", None) or (QUICK_RUNS if quick else DEFAULT_RUNS)
+    threads = getattr(args, "threads", None)
+    if bad := [p for p in peers if p not in PEERS]:
+        raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
+    if bad := [s for s in scenarios if s not in SCENARIOS]:
+        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join(SCENARIOS)}")
+    if not scenarios:
+        raise ValueError("--scenarios names no scenario")
+    if max_tokens < 1 or runs < 1 or (threads is not None and threads < 1):
+        raise ValueError("--max-tokens, --runs and --threads must be >= 1")
+    return BenchConfig(quick, peers, Path(getattr(args, "out", "bench-out")), max_tokens, runs, scenarios, threads)
+
+
+def _compare(system: System, gen: Generation, ref: Generation | None) -> str:
+    """'yes'/'no (k/n ...)' against verispec's greedy output, or 'n/a' where not comparable."""
+    if system.key == "verispec":
+        return "reference"
+    if ref is None:
+        return "n/a"
+    if system.compare == "ids" and gen.token_ids is not None and ref.token_ids is not None:
+        pairs = list(zip(gen.token_ids, ref.token_ids))
+        same = sum(a == b for a, b in pairs)
+        if same == len(pairs):
+            return "yes (ids)"
+        # Where the first mismatch falls tells a near-tie late in the text from a real bug.
+        first = min(next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y) for a, b in pairs if a != b)
+        return f"no ({same}/{len(pairs)} ids, first diff at token {first})"
+    if system.compare == "text":
+        same = sum(a == b for a, b in zip(gen.texts, ref.texts))
+        return f"{'yes' if same == len(gen.texts) else 'no'} ({same}/{len(gen.texts)} text)"
+    return "n/a"
+
+
+def _measure(system: System, scenario: str, prompts: list[Prompt], cfg: BenchConfig,
+             refs: dict[str, Generation]) -> Result:
+    res = Result(system.key, system.label, scenario, len(prompts), cfg.max_tokens)
+    system.generate(prompts, min(WARMUP_TOKENS, cfg.max_tokens))  # warm-up, not timed
+    gen: Generation | None = None
+    for i in range(cfg.runs):
+        start = time.perf_counter()
+        gen = system.generate(prompts, cfg.max_tokens)
+        res.seconds.append(time.perf_counter() - start)
+        res.tokens.append(sum(gen.lengths))
+        log(f"  {system.label} {scenario} run {i + 1}/{cfg.runs}: "
+            f"{res.tokens[-1]} tokens in {res.seconds[-1]:.2f}s = {res.tok_s[-1]:.1f} tok/s")
+    assert gen is not None
+    res.short = sum(1 for n in gen.lengths if n < cfg.max_tokens)
+    if system.key == "verispec":
+        refs[scenario] = gen
+    res.equal = _compare(system, gen, refs.get(scenario))
+    log(f"  {system.label} {scenario} first output: {gen.texts[0][:70]!r}")
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    # Never reach for the Hub: every model file here is local.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = _resolve(args)
+    except ValueError as exc:
+        log(f"error: {exc}")
+        return 2
+    began = time.perf_counter()
+    import torch
+
+    from verispec.models.default import default_model_path
+    from verispec.models.loader import load_tokenizer
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    threads = torch.get_num_threads()  # llama.cpp gets the same count as torch, for a fair fight
+    model_path = default_model_path()
+    # verispec's loader caches the converted GGUF tokenizer; transformers' own conversion is slow.
+    tokenizer = load_tokenizer(model_path)
+    prompts = chat_prompts(tokenizer, max(SCENARIOS[s] for s in cfg.scenarios))
+    log(f"model {model_path}; {cfg.max_tokens} tokens, {cfg.runs} run(s), {threads} thread(s), "
+        f"scenarios {','.join(cfg.scenarios)}, peers {','.join(cfg.peers) or 'none'}")
+
+    results: list[Result] = []
+    skipped: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    refs: dict[str, Generation] = {}
+    for key in ["verispec", *cfg.peers]:
+        label = PEERS[key].label if key in PEERS else key
+        log(f"loading {label} ...")
+        start = time.perf_counter()
+        try:
+            system = load_system(key, model_path, threads, tokenizer, log)
+        except PeerUnavailable as exc:
+            skipped[key] = str(exc)
+            log(f"skipping {label}: {exc}")
+            continue
+        except Exception as exc:  # a broken peer must not hide the others' results
+            errors[key] = f"load failed: {exc!r}"
+            log(f"{label} failed to load:\n{traceback.format_exc()}")
+            if key == "verispec":
+                return 1  # nothing to compare against
+            continue
+        log(f"{label} loaded in {time.perf_counter() - start:.1f}s")
+        try:
+            for scenario in cfg.scenarios:
+                results.append(_measure(system, scenario, prompts[: SCENARIOS[scenario]], cfg, refs))
+        except Exception as exc:
+            errors[key] = f"run failed: {exc!r}"
+            log(f"{label} failed:\n{traceback.format_exc()}")
+        finally:
+            system.close()
+            del system
+            gc.collect()  # free one model's memory before the next system loads
+
+    machine = machine_info(threads)
+    config: dict[str, Any] = {
+        "model": model_path,
+        "quick": cfg.quick,
+        "max_tokens": cfg.max_tokens,
+        "runs": cfg.runs,
+        "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
+        "scenarios": {s: SCENARIOS[s] for s in cfg.scenarios},
+        "peers": cfg.peers,
+        "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
+    }
+    print(format_table(results))
+    print()
+    print(format_ratios(results))
+    for key, why in {**skipped, **errors}.items():
+        print(f"{key}: {why}")
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    write_json(cfg.out / "bench.json", machine, config, results, skipped, errors)
+    if any(r.tokens for r in results):
+        plot(cfg.out / "bench.png", results, machine, cfg.max_tokens)
+    log(f"wrote {cfg.out / 'bench.json'} and {cfg.out / 'bench.png'}; "
+        f"total {time.perf_counter() - began:.0f}s")
+    return 1 if errors else 0
