@@ -89,7 +89,7 @@ class EngineConfig:
     logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
     max_logprobs: int = 20
     # Rows of logits processed at once when computing prompt logprobs; bounds peak memory.
-    prompt_logprobs_chunk_rows: int = 256
+    prompt_logprobs_chunk_rows: int = 32
     num_threads: int | None = None
 
     def validate(self) -> None:

@@ -139,7 +139,8 @@ class LogprobsTensors:
         if all(h is not None for h in host):
             cu_list = [0]
             for h in host:
-                cu_list.extend(cu_list[-1] + x for x in h[1:])
+                offset = cu_list[-1]
+                cu_list.extend(offset + x for x in h[1:])
         elif all(d is not None for d in dev):
             parts, offset = [dev[0][:1]], dev[0].new_zeros(())
             for d in dev:

@@ -110,8 +110,8 @@ class HFSystem:
 # ------------------------------------------------------------------------------ llama.cpp
 _AMX_PROBE = (
     "import sys, llama_cpp\n"
-    "m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)\n"
-    "m.create_completion('Hi', max_tokens=1)\n"
+    "m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False)\n"
+    "m.create_completion(' hello' * 64, max_tokens=2)\n"
 )
 
 
@@ -119,7 +119,8 @@ def _amx_kernels_work(model_path: str) -> bool:
     """Whether llama.cpp's AMX kernels run here; checked in a child because failure is SIGILL.
 
     Some VMs advertise AMX in CPUID without enabling its register state, and ggml then dies with
-    an illegal instruction in its first matmul. Only CPUs that advertise AMX need the probe.
+    an illegal instruction in its first prompt matmul (one-token prompts take another kernel, so
+    the probe's prompt is long). Only CPUs that advertise AMX need the probe.
     """
     try:
         with open("/proc/cpuinfo") as f:

@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 
+# Above this many cores used by other processes during a run, the table marks the figure "busy".
+BUSY_CORES = 0.25
+
+
 @dataclass(slots=True)
 class Result:
     """One system on one scenario: `runs` timed runs after an untimed warm-up."""
@@ -25,6 +29,9 @@ class Result:
     tokens: list[int] = field(default_factory=list)  # tokens produced in each run
     equal: str = "n/a"  # same greedy output as verispec: reference / yes / no (k/n) / n/a
     short: int = 0  # prompts that produced fewer than max_tokens tokens (should stay 0)
+    # CPU cores other processes kept busy during each run; on a small machine even one busy core
+    # slows torch's thread pool by far more than its share, so a high value marks a suspect figure.
+    others_load: list[float] = field(default_factory=list)
 
     @property
     def tok_s(self) -> list[float]:
@@ -88,7 +95,7 @@ def ratios(results: list[Result]) -> dict[str, dict[str, float]]:
 
 def format_table(results: list[Result], markdown: bool = False) -> str:
     rel = ratios(results)
-    head = ["scenario", "system", "tok/s", "min", "max", "verispec / system", "same output as verispec"]
+    head = ["scenario", "system", "tok/s", "min", "max", "verispec / system", "same output as verispec", "other load"]
     rows = []
     for r in results:
         if not r.tokens:
@@ -103,6 +110,7 @@ def format_table(results: list[Result], markdown: bool = False) -> str:
             f"{max(rates):.1f}",
             "-" if ratio is None else f"{ratio:.2f}x",
             r.equal + (f", {r.short} short" if r.short else ""),
+            f"{max(r.others_load):.2f}" + (" (busy)" if max(r.others_load) > BUSY_CORES else "") if r.others_load else "?",
         ])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]

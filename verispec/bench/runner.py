@@ -20,7 +20,9 @@ from typing import Any
 
 from verispec.bench.peers import PEERS, Generation, PeerUnavailable, System, load_system
 from verispec.bench.prompts import Prompt, chat_prompts
-from verispec.bench.report import Result, format_ratios, format_table, machine_info, plot, write_json
+from verispec.bench.report import (
+    BUSY_CORES, Result, format_ratios, format_table, machine_info, plot, write_json,
+)
 
 # Scenario name -> number of distinct prompts submitted at once.
 SCENARIOS: dict[str, int] = {"single": 1, "batch16": 16}
@@ -86,6 +88,22 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(quick, peers, Path(getattr(args, "out", "bench-out")), max_tokens, runs, scenarios, threads)
 
 
+def _busy_seconds() -> float | None:
+    """CPU seconds all processes have used so far (from /proc/stat); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def _compare(system: System, gen: Generation, ref: Generation | None) -> str:
     """'yes'/'no (k/n ...)' against verispec's greedy output, or 'n/a' where not comparable."""
     if system.key == "verispec":
@@ -112,12 +130,18 @@ def _measure(system: System, scenario: str, prompts: list[Prompt], cfg: BenchCon
     system.generate(prompts, min(WARMUP_TOKENS, cfg.max_tokens))  # warm-up, not timed
     gen: Generation | None = None
     for i in range(cfg.runs):
-        start = time.perf_counter()
+        busy, mine, start = _busy_seconds(), _self_seconds(), time.perf_counter()
         gen = system.generate(prompts, cfg.max_tokens)
-        res.seconds.append(time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        after = _busy_seconds()
+        res.seconds.append(wall)
         res.tokens.append(sum(gen.lengths))
-        log(f"  {system.label} {scenario} run {i + 1}/{cfg.runs}: "
-            f"{res.tokens[-1]} tokens in {res.seconds[-1]:.2f}s = {res.tok_s[-1]:.1f} tok/s")
+        if busy is not None and after is not None:
+            # Everyone's CPU time minus ours = what other processes took from the benchmark.
+            res.others_load.append(max(0.0, (after - busy) - (_self_seconds() - mine)) / wall)
+        log(f"  {system.label} {scenario} run {i + 1}/{cfg.runs}: {res.tokens[-1]} tokens in {wall:.2f}s = "
+            f"{res.tok_s[-1]:.1f} tok/s" + (f", other processes used {res.others_load[-1]:.2f} cores"
+                                            if res.others_load else ""))
     assert gen is not None
     res.short = sum(1 for n in gen.lengths if n < cfg.max_tokens)
     if system.key == "verispec":
@@ -195,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
         "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
     }
     print(format_table(results))
+    if any(r.others_load and max(r.others_load) > BUSY_CORES for r in results):
+        print(f"(busy): other processes used over {BUSY_CORES} cores during a run; that figure is suspect")
     print()
     print(format_ratios(results))
     for key, why in {**skipped, **errors}.items():

@@ -92,7 +92,8 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
     ) -> None:
-        params = SamplingParams() if params is None else params
+        params = SamplingParams() if params is None else params.clone()
+        params._validate()  # fields may have been changed since construction
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -108,7 +109,6 @@ class LLMEngine:
                 f"{self.pool.blocks_needed(len(ids) + max_tokens)} KV blocks but the pool has "
                 f"{self.pool.num_blocks}; lower max_tokens or raise num_kv_blocks / kv_cache_bytes"
             )
-        params = params.clone()
         params._bad_words_token_ids = self._bad_word_ids(params.bad_words)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         mode = params.logprobs_mode or self.config.logprobs_mode

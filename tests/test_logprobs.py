@@ -1,0 +1,279 @@
+"""Logprobs against an independent oracle: HF transformers' logits, and HF's own logits
+processors for the processed modes, on the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from conftest import TINY_VOCAB, hf_model, make_tiny_checkpoint, random_prompts
+from verispec import LLM, LogprobsLists, LogprobsTensors, SamplingParams
+from verispec.sample.logprobs import compute_topk_scores
+
+TOL = 1e-4
+MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, max_num_batched_tokens=32, block_size=4, max_logprobs=-1)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_llama):
+    return hf_model(tiny_llama)
+
+
+def hf_rows(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """HF logits for every position of prompt + output, fp32 [L, V]."""
+    with torch.no_grad():
+        return model(torch.tensor([prompt + output])).logits[0].float()
+
+
+def hf_processed(row: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """HF's processors in DESIGN.md's order: penalty, temperature, min_p, top_k, top_p."""
+    scores = row[None].clone()
+    ids = torch.tensor([history])
+    if params.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    if not params.greedy and params.temperature != 1.0:
+        scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
+    if params.min_p > 0:
+        scores = MinPLogitsWarper(params.min_p)(ids, scores)
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    return scores[0]
+
+
+def reference_scores(row: torch.Tensor, params: SamplingParams, history: list[int], mode: str) -> torch.Tensor:
+    scores = row if mode.startswith("raw") else hf_processed(row, params, history)
+    return torch.log_softmax(scores, -1) if mode.endswith("logprobs") else scores
+
+
+def assert_entry_matches(entry: dict, ref: torch.Tensor, chosen: int, k: int) -> None:
+    assert chosen in entry
+    assert len(entry) in (k, k + 1)
+    for tok, lp in entry.items():
+        want = ref[tok].item()
+        if want == float("-inf"):
+            assert lp.logprob == float("-inf")
+        else:
+            assert abs(lp.logprob - want) < TOL, (tok, lp.logprob, want)
+    # The sampled token's rank counts entries scoring >= it, on the returned scores.
+    assert entry[chosen].rank == int((ref >= ref[chosen]).sum())
+    # The alternatives are the top k by score.
+    top = set(torch.topk(ref, k).indices.tolist()) if k else set()
+    alts = {t for t in entry if t != chosen} | ({chosen} if len(entry) == k else set())
+    top_vals = sorted((ref[t].item() for t in top), reverse=True)
+    alt_vals = sorted((ref[t].item() for t in alts), reverse=True)
+    assert alt_vals == pytest.approx(top_vals, abs=TOL)
+
+
+CASES = [
+    SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0.7, seed=1, max_tokens=6, logprobs=4, prompt_logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=1.3, top_k=20, seed=2, max_tokens=6, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.8, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=1, ignore_eos=True),
+    SamplingParams(temperature=1.0, min_p=0.05, top_k=50, top_p=0.95, seed=4, max_tokens=6, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0.8, repetition_penalty=1.5, seed=5, max_tokens=8, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=8, logprobs=2, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_matches_hf(llm, oracle, mode):
+    prompts = random_prompts(len(CASES), 5, 40, seed=11)
+    params = []
+    for p in CASES:
+        q = p.clone()
+        q.logprobs_mode = mode
+        params.append(q)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outs):
+        c = out.outputs[0]
+        rows = hf_rows(oracle, prompt, c.token_ids)
+        for j, tok in enumerate(c.token_ids):
+            history = prompt + c.token_ids[:j]
+            ref = reference_scores(rows[len(prompt) - 1 + j], p, history, mode)
+            assert_entry_matches(c.logprobs[j], ref, tok, p.logprobs)
+        if p.prompt_logprobs is not None:
+            assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+            # Prompt positions: only the position-independent processors apply.
+            pos_params = p.clone()
+            pos_params.repetition_penalty = 1.0
+            for i in range(1, len(prompt)):
+                ref = reference_scores(rows[i - 1], pos_params, [], mode)
+                assert_entry_matches(out.prompt_logprobs[i], ref, prompt[i], p.prompt_logprobs)
+        if mode.endswith("logprobs"):
+            assert c.cumulative_logprob == pytest.approx(sum(c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)), abs=1e-4)
+
+
+def test_mixed_modes_in_one_batch(llm, oracle):
+    prompts = random_prompts(4, 5, 20, seed=12)
+    params = [
+        SamplingParams(temperature=0.5, top_k=10, seed=i, max_tokens=5, logprobs=k, logprobs_mode=m, ignore_eos=True)
+        for i, (m, k) in enumerate(zip(MODES, [1, 3, 5, 7]))
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outs):
+        c = out.outputs[0]
+        rows = hf_rows(oracle, prompt, c.token_ids)
+        for j, tok in enumerate(c.token_ids):
+            ref = reference_scores(rows[len(prompt) - 1 + j], p, prompt + c.token_ids[:j], p.logprobs_mode.value)
+            assert_entry_matches(c.logprobs[j], ref, tok, p.logprobs)
+
+
+def test_engine_default_mode_and_per_request_override(tiny_llama):
+    llm = LLM(tiny_llama, logprobs_mode="processed_logits")
+    p = SamplingParams(temperature=0.5, seed=0, max_tokens=2, logprobs=0, ignore_eos=True)
+    default = llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].outputs[0]
+    q = p.clone()
+    q.logprobs_mode = "raw_logprobs"
+    override = llm.generate([[5, 6, 7]], q, use_tqdm=False)[0].outputs[0]
+    tok = default.token_ids[0]
+    assert default.token_ids == override.token_ids
+    assert default.logprobs[0][tok].logprob > 0 or override.logprobs[0][tok].logprob <= 0
+    assert override.logprobs[0][tok].logprob <= 0  # a logprob
+    assert default.logprobs[0][tok].logprob != override.logprobs[0][tok].logprob
+
+
+def test_full_vocab(llm):
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1), use_tqdm=False)[0]
+    assert all(len(d) == TINY_VOCAB for d in out.outputs[0].logprobs)
+    assert all(len(d) == TINY_VOCAB for d in out.prompt_logprobs[1:])
+    total = torch.tensor([lp.logprob for lp in out.outputs[0].logprobs[0].values()]).exp().sum()
+    assert abs(total.item() - 1.0) < 1e-4
+
+
+def test_max_logprobs_cap(tiny_llama):
+    llm = LLM(tiny_llama, max_logprobs=5)
+    with pytest.raises(ValueError, match="max_logprobs=5"):
+        llm.generate([[5, 6]], SamplingParams(logprobs=6), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs=5"):
+        llm.generate([[5, 6]], SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+
+
+def test_custom_token_ids_mixed_with_topk(llm, oracle):
+    prompts = random_prompts(3, 5, 15, seed=13)
+    custom = [7, 100, 300, 511]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4, logprob_token_ids=custom, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=9, max_tokens=4, logprobs=5, ignore_eos=True),
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outs):
+        c = out.outputs[0]
+        rows = hf_rows(oracle, prompt, c.token_ids)
+        for j, tok in enumerate(c.token_ids):
+            ref = torch.log_softmax(rows[len(prompt) - 1 + j], -1)
+            entry = c.logprobs[j]
+            if p.logprob_token_ids:
+                assert set(entry) == set(custom) | {tok}
+                for t in custom:
+                    assert abs(entry[t].logprob - ref[t].item()) < TOL
+            else:
+                # The top-k rows of the other requests stay correct (never -inf).
+                assert_entry_matches(entry, ref, tok, p.logprobs)
+
+
+def test_prompt_logprobs_identical_with_chunking_and_preemption(tiny_llama):
+    prompts = random_prompts(6, 20, 60, seed=14)
+    params = SamplingParams(temperature=0, max_tokens=20, prompt_logprobs=4, logprobs=2, ignore_eos=True)
+
+    def run(**kw):
+        outs = LLM(tiny_llama, block_size=4, **kw).generate(prompts, params, use_tqdm=False)
+        return outs
+
+    base = run(max_num_batched_tokens=512)
+    chunked = run(max_num_batched_tokens=7)
+    small = LLM(tiny_llama, block_size=4, max_num_batched_tokens=24, num_kv_blocks=30)
+    pressured = small.generate(prompts, params, use_tqdm=False)
+    assert small.stats()["num_preemptions"] > 0
+    for a, b, c in zip(base, chunked, pressured):
+        for other in (b, c):
+            assert other.outputs[0].token_ids == a.outputs[0].token_ids
+            assert len(other.prompt_logprobs) == len(a.prompt_logprobs)
+            for ea, eo in zip(a.prompt_logprobs[1:], other.prompt_logprobs[1:]):
+                assert ea.keys() == eo.keys()
+                assert all(abs(ea[t].logprob - eo[t].logprob) < 1e-5 and ea[t].rank == eo[t].rank for t in ea)
+
+
+def test_prompt_logprobs_memory_is_bounded(tmp_path):
+    """prompt_logprobs=20 on a 4096-token prompt over a 49k vocab stays within 64 MiB of the run
+    without prompt logprobs: rows are scored in bounded chunks, never [4096, V] at once.
+
+    Measured as peak resident memory in a fresh process whose allocator returns large blocks to
+    the OS at once (MALLOC_MMAP_THRESHOLD_), so the high-water mark tracks live memory."""
+    script = Path(__file__).with_name("memory_probe.py")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    res = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "wide")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    peaks = json.loads(res.stdout.strip().splitlines()[-1])
+    # A single [4096, 49152] fp32 logits tensor alone would be 768 MiB.
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        extra = peaks[mode] - peaks["without"]
+        assert extra <= 64 * 2**20, f"{mode}: prompt logprobs took {extra / 2**20:.1f} MiB extra"
+
+
+# ------------------------------------------------------------------ the tensor contract
+def _random_tensors(rows: int, k: int, seed: int, mode: str) -> LogprobsTensors:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, 64, generator=g) * 3
+    sampled = torch.randint(0, 64, (rows,), generator=g)
+    return compute_topk_scores(logits, k, sampled, as_logprobs=mode.endswith("logprobs"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cat_of_chunks_equals_unchunked(mode):
+    g = torch.Generator().manual_seed(16)
+    logits = torch.randn(10, 64, generator=g) * 3
+    sampled = torch.randint(0, 64, (10,), generator=g)
+    as_lp = mode.endswith("logprobs")
+    whole = compute_topk_scores(logits, 5, sampled, as_logprobs=as_lp)
+    parts = [compute_topk_scores(logits[a:b], 5, sampled[a:b], as_logprobs=as_lp) for a, b in ((0, 3), (3, 10))]
+    parts[0].cu_num_generated_tokens, parts[1].cu_num_generated_tokens = [0, 1, 3], [0, 4, 7]
+    joined = LogprobsTensors.cat(parts)
+    assert torch.equal(joined.logprob_token_ids, whole.logprob_token_ids)
+    assert torch.equal(joined.logprobs, whole.logprobs)
+    assert torch.equal(joined.selected_token_ranks, whole.selected_token_ranks)
+    assert joined.cu_num_generated_tokens == [0, 1, 3, 7, 10]
+
+
+def test_tolists_uses_device_boundaries_not_the_host_placeholder():
+    t = _random_tensors(9, 3, 17, "raw_logprobs")
+    # Requests own 2, 4 and 3 rows; a uniform host layout of 3 each would be wrong.
+    t.cu_num_generated_tokens_tensor = torch.tensor([0, 2, 6, 9])
+    placeholder_host_layout = [0, 3, 6, 9]  # never used to slice
+    lists = t.tolists()
+    assert lists.cu_num_generated_tokens == [0, 2, 6, 9] != placeholder_host_layout
+    for i, (a, b) in enumerate([(0, 2), (2, 6), (6, 9)]):
+        part = lists.slice_request(i)
+        assert (part.logprobs == t.logprobs[a:b].numpy()).all()
+        assert (part.logprob_token_ids == t.logprob_token_ids[a:b].numpy()).all()
+    assert lists.slice_request(1, 1).logprobs.shape[0] == 1  # only the emitted rows
+
+
+def test_cat_with_device_boundaries():
+    parts = [_random_tensors(4, 2, 18, "raw_logprobs"), _random_tensors(5, 2, 19, "raw_logprobs")]
+    parts[0].cu_num_generated_tokens_tensor = torch.tensor([0, 1, 4])
+    parts[1].cu_num_generated_tokens_tensor = torch.tensor([0, 5])
+    joined = LogprobsTensors.cat(parts)
+    assert joined.cu_num_generated_tokens_tensor.tolist() == [0, 1, 4, 9]
+    assert isinstance(joined.tolists(), LogprobsLists)
+    with pytest.raises(ValueError):
+        LogprobsTensors(parts[0].logprob_token_ids, parts[0].logprobs, parts[0].selected_token_ranks, [0, 4], torch.tensor([0, 4]))
