@@ -24,7 +24,7 @@ def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32) 
     outs, done = [], 0
     with torch.no_grad():
         for n in chunks:
-            meta = build_attention_metadata([SeqSpan(0, n, done + n, table)], BLOCK, torch.device("cpu"))
+            meta = build_attention_metadata([SeqSpan(0, n, done + n, table)], BLOCK, torch.device("cpu"), dtype)
             hidden = model(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), meta, caches)
             outs.append(model.compute_logits(hidden).float())
             done += n

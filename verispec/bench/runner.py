@@ -227,8 +227,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{key}: {why}")
     cfg.out.mkdir(parents=True, exist_ok=True)
     write_json(cfg.out / "bench.json", machine, config, results, skipped, errors)
+    # The same table as Markdown, ready to paste into docs/benchmarks.md.
+    (cfg.out / "bench.md").write_text(format_table(results, markdown=True) + "\n")
     if any(r.tokens for r in results):
         plot(cfg.out / "bench.png", results, machine, cfg.max_tokens)
-    log(f"wrote {cfg.out / 'bench.json'} and {cfg.out / 'bench.png'}; "
+    log(f"wrote bench.json, bench.md and bench.png under {cfg.out}; "
         f"total {time.perf_counter() - began:.0f}s")
     return 1 if errors else 0

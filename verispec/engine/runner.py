@@ -140,7 +140,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         batch = self.build_batch(sched)
         dev = self.device
-        meta = build_attention_metadata(batch.spans, self.pool.block_size, dev)
+        meta = build_attention_metadata(batch.spans, self.pool.block_size, dev, self.model.dtype)
         hidden = self.model(
             torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
             torch.tensor(batch.positions, dtype=torch.long, device=dev),

@@ -38,7 +38,7 @@ class AttnGroup:
     num_seqs: int
     max_query: int
     kv_blocks: torch.Tensor | None  # [G, NB] block tables (None: attend to the fresh k/v only)
-    mask: torch.Tensor | None  # [G, 1, Q, NB*block_size] bool; None with causal=True
+    mask: torch.Tensor | None  # [G, 1, Q, NB*block_size] additive (0 / -inf); None with causal=True
     causal: bool
     out_valid: torch.Tensor | None  # positions in the flattened [G*Q] output that are real rows
     out_rows: torch.Tensor | None  # their rows in the flat batch
@@ -52,7 +52,7 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(
-    spans: list[SeqSpan], block_size: int, device: torch.device
+    spans: list[SeqSpan], block_size: int, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> AttentionMetadata:
     slot_mapping: list[int] = []
     for span in spans:
@@ -64,10 +64,10 @@ def build_attention_metadata(
     decode = [s for s in spans if s.num_query <= DECODE_GROUP_MAX_QUERY]
     groups = []
     if decode:
-        groups.append(_padded_group(decode, block_size, device))
+        groups.append(_padded_group(decode, block_size, device, dtype))
     for span in spans:
         if span.num_query > DECODE_GROUP_MAX_QUERY:
-            groups.append(_prefill_group(span, block_size, device))
+            groups.append(_prefill_group(span, block_size, device, dtype))
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         groups=groups,
@@ -75,11 +75,16 @@ def build_attention_metadata(
     )
 
 
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask -> additive float mask, once per step (SDPA would convert it in every layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
 def _num_blocks(context_len: int, block_size: int) -> int:
     return -(-context_len // block_size)
 
 
-def _prefill_group(span: SeqSpan, block_size: int, device: torch.device) -> AttnGroup:
+def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: torch.dtype) -> AttnGroup:
     fresh = span.context_len == span.num_query  # no earlier chunk: attend to this chunk's k/v
     kv_blocks = mask = None
     if not fresh:
@@ -88,14 +93,14 @@ def _prefill_group(span: SeqSpan, block_size: int, device: torch.device) -> Attn
         offset = span.context_len - span.num_query
         q_pos = torch.arange(span.num_query, device=device)[:, None] + offset
         keys = torch.arange(nb * block_size, device=device)[None, :]
-        mask = ((keys <= q_pos) & (keys < span.context_len))[None, None]
+        mask = _additive(((keys <= q_pos) & (keys < span.context_len))[None, None], dtype)
     return AttnGroup(
         query_index=None, row_start=span.start, num_seqs=1, max_query=span.num_query,
         kv_blocks=kv_blocks, mask=mask, causal=fresh, out_valid=None, out_rows=None,
     )
 
 
-def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device) -> AttnGroup:
+def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, dtype: torch.dtype) -> AttnGroup:
     g = len(spans)
     max_q = max(s.num_query for s in spans)
     max_nb = max(_num_blocks(s.context_len, block_size) for s in spans)
@@ -126,7 +131,7 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device) -
     mask = (keys <= q_pos[:, :, None]) & (keys < ctx[:, None, None])
     return AttnGroup(
         query_index=query_index, row_start=spans[0].start, num_seqs=g, max_query=max_q,
-        kv_blocks=kv_blocks, mask=mask[:, None], causal=False, out_valid=out_valid, out_rows=out_rows,
+        kv_blocks=kv_blocks, mask=_additive(mask[:, None], dtype), causal=False, out_valid=out_valid, out_rows=out_rows,
     )
 
 
@@ -161,9 +166,10 @@ def paged_attention(
         if grp.kv_blocks is None:
             rows = slice(grp.row_start, grp.row_start + nq)
             kg, vg = k[rows][None], v[rows][None]
-        else:  # [G, NB, bs, KV, D] -> [G, NB*bs, KV, D]
-            kg = k_cache[grp.kv_blocks].flatten(1, 2)
-            vg = v_cache[grp.kv_blocks].flatten(1, 2)
+        else:  # [G*NB, bs, KV, D] -> [G, NB*bs, KV, D]
+            blocks = grp.kv_blocks.view(-1)
+            kg = k_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
+            vg = v_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
         og = F.scaled_dot_product_attention(
             qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
             attn_mask=grp.mask, is_causal=grp.causal, scale=scale, enable_gqa=gqa,

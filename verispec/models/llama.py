@@ -27,6 +27,10 @@ class Linear(nn.Module):
         y = x @ self.weight_t
         return y if self.bias is None else y + self.bias
 
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W_t in one fused op (no bias: o and down projections have none)."""
+        return torch.addmm(residual, x, self.weight_t)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
@@ -35,6 +39,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; bit-identical to the expanded form in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 whatever the weights are, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -93,19 +99,18 @@ class DecoderLayer(nn.Module):
         self.inter = cfg.intermediate_size
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        t = x.shape[0]
+        t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv(self.attn_norm(x))
-        q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn = paged_attention(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta, self.scale)
-        x = x + self.o(attn.reshape(t, self.q_size))
+            qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
+        # q and k rotate together: one set of elementwise ops per layer instead of two.
+        qk = apply_rope(qk, cos, sin)
+        attn = paged_attention(qk[:, :nh], qk[:, nh:], v, kv_cache[0], kv_cache[1], meta, self.scale)
+        x = self.o.forward_residual(attn.reshape(t, self.q_size), x)
         gate_up = self.gate_up(self.mlp_norm(x))
-        x = x + self.down(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
-        return x
+        return self.down.forward_residual(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x)
 
 
 class LlamaModel(nn.Module):
