@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from verispec.bench.prompts import Prompt
 
@@ -50,10 +51,10 @@ class VerispecSystem:
         # No arguments: the bundled default model in fp32, on torch's thread count (set by the runner).
         self.llm = LLM()
 
-    def generate(self, prompts: list[Prompt], max_tokens: int) -> Generation:
+    def generate(self, prompts: list[Prompt], max_tokens: int, logprobs: int | None = None) -> Generation:
         from verispec import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=logprobs)
         outs = self.llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params, use_tqdm=False)
         seqs = [o.outputs[0] for o in outs]
         ids = [list(s.token_ids) for s in seqs]
@@ -129,7 +130,9 @@ def _amx_kernels_work(model_path: str) -> bool:
     except OSError:
         return True
     try:
-        res = subprocess.run([sys.executable, "-c", _AMX_PROBE, model_path], capture_output=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-c", _AMX_PROBE, model_path], capture_output=True, timeout=120, check=False
+        )
     except subprocess.TimeoutExpired:
         return False
     return res.returncode == 0
@@ -147,7 +150,9 @@ class LlamaCppSystem:
                 f"llama-cpp-python is not installed ({exc}); `pip install llama-cpp-python`"
             ) from exc
         self.llama_cpp = llama_cpp
-        kwargs: dict[str, Any] = dict(model_path=model_path, n_ctx=2048, n_threads=threads, verbose=False, seed=0)
+        kwargs: dict[str, Any] = {
+            "model_path": model_path, "n_ctx": 2048, "n_threads": threads, "verbose": False, "seed": 0
+        }
         if _amx_kernels_work(model_path):
             self.llm = llama_cpp.Llama(**kwargs)
         else:

@@ -11,7 +11,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-
 # Above this many cores used by other processes during a run, the table marks the figure "busy".
 BUSY_CORES = 0.25
 
@@ -116,7 +115,10 @@ def format_table(results: list[Result], markdown: bool = False) -> str:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    fmt = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
+
+    def fmt(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows])
 
 
@@ -155,7 +157,7 @@ def plot(path: Path, results: list[Result], machine: dict[str, Any], max_tokens:
     width = 0.8 / max(1, len(systems))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for i, system in enumerate(systems):
-        xs, ys, lo, hi = [], [], [], []
+        xs, ys, lo, hi, busy = [], [], [], [], []
         for j, scenario in enumerate(scenarios):
             r = next((r for r in done if r.system == system and r.scenario == scenario), None)
             if r is None:
@@ -165,16 +167,24 @@ def plot(path: Path, results: list[Result], machine: dict[str, Any], max_tokens:
             ys.append(r.median)
             lo.append(r.median - min(rates))
             hi.append(max(rates) - r.median)
+            busy.append(bool(r.others_load) and max(r.others_load) > BUSY_CORES)
         bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=labels[system])
-        ax.bar_label(bars, fmt="%.0f", padding=2, fontsize=8)
+        for bar, suspect in zip(bars, busy):
+            if suspect:  # measured while other processes took CPU: show it, don't hide it
+                bar.set_hatch("//")
+        ax.bar_label(bars, fmt=lambda v: f"{v:.0f}" if v >= 10 else f"{v:.1f}", padding=2, fontsize=8)
     ax.set_xticks(range(len(scenarios)), scenarios)
     ax.set_ylabel("generated tokens / s (median, min-max)")
+    note = ""
+    if any(r.others_load and max(r.others_load) > BUSY_CORES for r in done):
+        note = " (hatched: other processes were busy)"
     ax.set_title(
         f"SmolLM2-135M-Instruct, greedy, {max_tokens} new tokens\n"
-        f"{machine['cpu']}, {machine['torch_threads']} threads",
+        f"{machine['cpu']}, {machine['torch_threads']} threads{note}",
         fontsize=9,
     )
-    ax.legend()
+    for handle in ax.legend().legend_handles:
+        handle.set_hatch("")  # the legend shows systems; hatching is per bar
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -21,11 +21,20 @@ from typing import Any
 from verispec.bench.peers import PEERS, Generation, PeerUnavailable, System, load_system
 from verispec.bench.prompts import Prompt, chat_prompts
 from verispec.bench.report import (
-    BUSY_CORES, Result, format_ratios, format_table, machine_info, plot, write_json,
+    BUSY_CORES,
+    Result,
+    format_ratios,
+    format_table,
+    machine_info,
+    plot,
+    write_json,
 )
 
 # Scenario name -> number of distinct prompts submitted at once.
-SCENARIOS: dict[str, int] = {"single": 1, "batch16": 16}
+SCENARIOS: dict[str, int] = {"single": 1, "batch16": 16, "batch16_logprobs": 16}
+# verispec-only scenarios and the SamplingParams extras they add: the cost of logprobs=20 is
+# read against verispec's own batch16 figure from the same run.
+VERISPEC_ONLY: dict[str, dict[str, int]] = {"batch16_logprobs": {"logprobs": 20}}
 DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
 QUICK_MAX_TOKENS, QUICK_RUNS = 32, 1
 # The warm-up only has to touch every code path (prefill, decode, allocator, thread pools), not
@@ -74,8 +83,12 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
     peers = _split(getattr(args, "peers", "hf,llamacpp") or "")
     peers = [] if peers == ["none"] else peers
     scenarios = _split(getattr(args, "scenarios", None) or ",".join(SCENARIOS))
-    max_tokens = getattr(args, "max_tokens", None) or (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS)
-    runs = getattr(args, "runs", None) or (QUICK_RUNS if quick else DEFAULT_RUNS)
+    # None means "not given": --quick changes the defaults but never an explicit value (0 included,
+    # which is then rejected below rather than silently replaced).
+    max_tokens = getattr(args, "max_tokens", None)
+    max_tokens = (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS) if max_tokens is None else max_tokens
+    runs = getattr(args, "runs", None)
+    runs = (QUICK_RUNS if quick else DEFAULT_RUNS) if runs is None else runs
     threads = getattr(args, "threads", None)
     if bad := [p for p in peers if p not in PEERS]:
         raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
@@ -127,11 +140,12 @@ def _compare(system: System, gen: Generation, ref: Generation | None) -> str:
 def _measure(system: System, scenario: str, prompts: list[Prompt], cfg: BenchConfig,
              refs: dict[str, Generation]) -> Result:
     res = Result(system.key, system.label, scenario, len(prompts), cfg.max_tokens)
-    system.generate(prompts, min(WARMUP_TOKENS, cfg.max_tokens))  # warm-up, not timed
+    extra = VERISPEC_ONLY.get(scenario, {})
+    system.generate(prompts, min(WARMUP_TOKENS, cfg.max_tokens), **extra)  # warm-up, not timed
     gen: Generation | None = None
     for i in range(cfg.runs):
         busy, mine, start = _busy_seconds(), _self_seconds(), time.perf_counter()
-        gen = system.generate(prompts, cfg.max_tokens)
+        gen = system.generate(prompts, cfg.max_tokens, **extra)
         wall = time.perf_counter() - start
         after = _busy_seconds()
         res.seconds.append(wall)
@@ -149,6 +163,13 @@ def _measure(system: System, scenario: str, prompts: list[Prompt], cfg: BenchCon
     res.equal = _compare(system, gen, refs.get(scenario))
     log(f"  {system.label} {scenario} first output: {gen.texts[0][:70]!r}")
     return res
+
+
+def _logprobs_share(results: list[Result]) -> float | None:
+    by = {r.scenario: r.median for r in results if r.system == "verispec" and r.tokens}
+    if "batch16" in by and "batch16_logprobs" in by:
+        return by["batch16_logprobs"] / by["batch16"]
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -189,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
             skipped[key] = str(exc)
             log(f"skipping {label}: {exc}")
             continue
-        except Exception as exc:  # a broken peer must not hide the others' results
+        except Exception as exc:  # noqa: BLE001 - a broken peer must not hide the others' results
             errors[key] = f"load failed: {exc!r}"
             log(f"{label} failed to load:\n{traceback.format_exc()}")
             if key == "verispec":
@@ -198,8 +219,10 @@ def run(args: argparse.Namespace) -> int:
         log(f"{label} loaded in {time.perf_counter() - start:.1f}s")
         try:
             for scenario in cfg.scenarios:
+                if scenario in VERISPEC_ONLY and key != "verispec":
+                    continue
                 results.append(_measure(system, scenario, prompts[: SCENARIOS[scenario]], cfg, refs))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - same: record it, go on with the next system
             errors[key] = f"run failed: {exc!r}"
             log(f"{label} failed:\n{traceback.format_exc()}")
         finally:
@@ -217,12 +240,18 @@ def run(args: argparse.Namespace) -> int:
         "scenarios": {s: SCENARIOS[s] for s in cfg.scenarios},
         "peers": cfg.peers,
         "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
+        "verispec_only": VERISPEC_ONLY,
+        "logprobs20_share_of_batch16": _logprobs_share(results),
     }
     print(format_table(results))
     if any(r.others_load and max(r.others_load) > BUSY_CORES for r in results):
         print(f"(busy): other processes used over {BUSY_CORES} cores during a run; that figure is suspect")
-    print()
-    print(format_ratios(results))
+    if summary := format_ratios(results):
+        print()
+        print(summary)
+    overhead = _logprobs_share(results)
+    if overhead is not None:
+        print(f"verispec throughput with logprobs=20: {overhead:.1%} of the same batch without logprobs")
     for key, why in {**skipped, **errors}.items():
         print(f"{key}: {why}")
     cfg.out.mkdir(parents=True, exist_ok=True)
