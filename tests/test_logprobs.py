@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from conftest import TINY_VOCAB, hf_model, make_tiny_checkpoint, random_prompts
+from conftest import TINY_VOCAB, hf_model, random_prompts
 from verispec import LLM, LogprobsLists, LogprobsTensors, SamplingParams
 from verispec.sample.logprobs import compute_topk_scores
 
