@@ -17,7 +17,8 @@ def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
     """A tiny random HF model saved with save_pretrained; weights scaled up so that greedy
     decoding is not a sea of near-ties."""
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        Qwen3Config, Qwen3ForCausalLM,
     )
 
     common = dict(
@@ -30,11 +31,14 @@ def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
     }
     cfg_cls, model_cls = classes[arch]
     if arch == "qwen3":
         common.setdefault("head_dim", 16)
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3}[arch])
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[arch])
     model = model_cls(cfg_cls(**common)).eval()
     model.save_pretrained(str(path))
     return str(path)
@@ -43,7 +47,7 @@ def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
-    return {arch: make_tiny_checkpoint(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+    return {arch: make_tiny_checkpoint(root / arch, arch) for arch in ("llama", "qwen2", "qwen3", "mistral")}
 
 
 @pytest.fixture(scope="session")

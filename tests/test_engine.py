@@ -20,7 +20,7 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_greedy_batch_matches_hf(tiny_checkpoints, hf_models, arch):
     prompts = random_prompts(8, 3, 60, seed=3)
     # A 32-token budget forces the long prompts through several prefill chunks while others decode.

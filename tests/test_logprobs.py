@@ -277,3 +277,24 @@ def test_cat_with_device_boundaries():
     assert isinstance(joined.tolists(), LogprobsLists)
     with pytest.raises(ValueError):
         LogprobsTensors(parts[0].logprob_token_ids, parts[0].logprobs, parts[0].selected_token_ranks, [0, 4], torch.tensor([0, 4]))
+
+
+@pytest.mark.slow
+def test_smollm2_raw_logprobs_match_hf(smollm2_llm, smollm2_hf):
+    """Sampled-token and prompt-token raw logprobs on the bundled model, within 1e-3."""
+    tok = smollm2_llm.get_tokenizer()
+    prompt = tok.encode("The quick brown fox jumps over the lazy dog. Then it")
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    out = smollm2_llm.generate([prompt], params, use_tqdm=False)[0]
+    c = out.outputs[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(smollm2_hf(torch.tensor([prompt + c.token_ids])).logits[0].float(), -1)
+    worst = 0.0
+    for j, t in enumerate(c.token_ids):
+        for tok_id, lp in c.logprobs[j].items():
+            worst = max(worst, abs(lp.logprob - ref[len(prompt) - 1 + j, tok_id].item()))
+        assert c.logprobs[j][t].rank == int((ref[len(prompt) - 1 + j] >= ref[len(prompt) - 1 + j, t]).sum())
+    for i in range(1, len(prompt)):
+        for tok_id, lp in out.prompt_logprobs[i].items():
+            worst = max(worst, abs(lp.logprob - ref[i - 1, tok_id].item()))
+    assert worst < 1e-3

@@ -36,7 +36,7 @@ def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
         return hf_model(path)(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_prefill_and_decode_logits_match_hf(tiny_checkpoints, arch):
     path = tiny_checkpoints[arch]
     ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()

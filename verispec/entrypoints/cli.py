@@ -69,6 +69,10 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     completion = out.outputs[0]
     print(completion.text)
+    if out.prompt_logprobs:
+        print("\n--- prompt logprobs (token: logprob [rank]) ---", file=sys.stderr)
+        for tok, entry in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
+            print(f"{entry[tok].decoded_token!r}: {entry[tok].logprob:.4f} [{entry[tok].rank}]", file=sys.stderr)
     if completion.logprobs:
         print("\n--- logprobs (token: logprob [rank]; top alternatives) ---", file=sys.stderr)
         for tok, entry in zip(completion.token_ids, completion.logprobs):
