@@ -70,6 +70,54 @@ def parse_device(device: "str | torch.device") -> torch.device:
     return dev
 
 
+SPEC_METHODS = ("ngram", "draft_model", "layer_skip")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """`LLM(speculative_config={...})`, or this dataclass directly."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1  # ngram
+    prompt_lookup_max: int = 3  # ngram
+    model: str | None = None  # draft_model: checkpoint with the target's tokenizer
+    num_layers: int | None = None  # layer_skip: the target's first layers used as the draft
+    adaptive_verification: bool = False
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, cls):
+            if value is not None:
+                value.validate()
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig; got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}; got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 15:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, 15]; got {k!r}")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config.prompt_lookup_min and prompt_lookup_max must satisfy "
+                f"1 <= min <= max; got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if self.method == "layer_skip" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
+            raise ValueError("speculative_config.num_layers must be an integer >= 1 for method 'layer_skip'")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Resolved engine options. Built by `LLM` from its keyword arguments."""
@@ -91,6 +139,7 @@ class EngineConfig:
     # Rows of logits processed at once when computing prompt logprobs; bounds peak memory.
     prompt_logprobs_chunk_rows: int = 32
     num_threads: int | None = None
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -19,6 +19,8 @@ from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer
 from verispec.outputs import RequestOutput
 from verispec.sampling_params import SamplingParams
+from verispec.spec_decode.drafter import make_drafter
+from verispec.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger("verispec")
 
@@ -69,6 +71,8 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self._arrival = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens if config.speculative else 0)
+        self.drafter = make_drafter(config.speculative) if config.speculative else None
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -185,6 +189,13 @@ class LLMEngine:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            if s.spec_tokens:
+                accepted = result.num_accepted[req.request_id]
+                self.spec_metrics.observe(len(s.spec_tokens), accepted)
+                # The cache now holds the accepted drafts; slots of rejected ones go back.
+                req.num_computed_tokens += accepted
+                self.pool.truncate(req.request_id, req.num_computed_tokens)
+            req.spec_tokens = []
             prompt_rows = result.prompt_logprobs.get(req.request_id)
             if prompt_rows is not None:
                 self.output.append_prompt_logprobs(req, *prompt_rows)
@@ -194,6 +205,8 @@ class LLMEngine:
                 touched[self._child_parent[req.request_id]] = None
             if req.is_finished:
                 self.scheduler.finish(req)
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running, self.max_model_len)
         return [self._parent_output(pid) for pid in touched]
 
     def _parent_output(self, parent_id: str) -> RequestOutput:
@@ -215,6 +228,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         return {
+            **self.spec_metrics.as_dict(),
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free_blocks,

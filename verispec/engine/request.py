@@ -67,7 +67,9 @@ class Request:
     logprobs: list[dict[int, Any]] | None = None
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     num_prompt_logprob_rows: int = 0  # prompt positions whose logprobs are done
-    detok: Any = None
+    # Draft tokens proposed for the next step (verified, never trusted); drafter's q rows if any.
+    spec_tokens: list[int] = field(default_factory=list)
+    draft_probs: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -24,6 +24,7 @@ from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.sample.sampler import sample
+from verispec.spec_decode.rejection import verify
 
 
 @dataclass(slots=True)
@@ -35,6 +36,8 @@ class StepResult:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Per request: (first prompt position scored, rows predicting the following prompt tokens).
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
+    # Per speculating request: how many of its drafts were accepted.
+    num_accepted: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -42,18 +45,27 @@ class FlatBatch:
     input_ids: list[int]
     positions: list[int]
     spans: list[SeqSpan]
-    sample_rows: list[int]  # flat rows whose logits are sampled
+    sample_rows: list[int]  # flat rows whose logits are sampled or verified
     sample_reqs: list[Request]
+    drafts: list[list[int]]  # per sampled request: its draft tokens (empty: plain sampling)
     # (request, first flat row, first prompt position, end position) of prompt rows to score
     prompt_jobs: list[tuple[Request, int, int, int]]
 
 
-def row_spec(req: Request, generator: torch.Generator | None) -> RowSpec:
+@dataclass(slots=True)
+class SampleOutput:
+    sampled: torch.Tensor  # [R, K+1] emitted tokens, -1 padded (K = 0 without drafts)
+    num_sampled: torch.Tensor  # [R]
+    logprobs: LogprobsTensors | None
+    lp_start: dict[int, int]  # request index -> its first row in `logprobs` (host layout)
+
+
+def row_spec(req: Request, generator: torch.Generator | None, drafts: list[int] = ()) -> RowSpec:
     p = req.params
     return RowSpec(
         params=p,
         prompt_ids=req.prompt_token_ids,
-        output_ids=req.output_token_ids,
+        output_ids=req.output_token_ids + list(drafts),
         generator=generator,
         stop_ids=req.stop_ids,
         mode=req.logprobs_mode,
@@ -103,16 +115,20 @@ class ModelRunner:
         self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
-        batch = FlatBatch([], [], [], [], [], [])
+        batch = FlatBatch([], [], [], [], [], [], [])
         for s in sched.scheduled:
-            req, n = s.request, s.num_new_tokens
+            req, n, spec = s.request, s.num_new_tokens, s.spec_tokens
             start, done = len(batch.input_ids), req.num_computed_tokens
+            total = n + len(spec)
             batch.input_ids.extend(req.token_ids[done : done + n])
-            batch.positions.extend(range(done, done + n))
-            batch.spans.append(SeqSpan(start, n, done + n, self.pool.table(req.request_id)))
+            batch.input_ids.extend(spec)
+            batch.positions.extend(range(done, done + total))
+            batch.spans.append(SeqSpan(start, total, done + total, self.pool.table(req.request_id)))
             if s.samples:
-                batch.sample_rows.append(start + n - 1)
+                # The last known token's row, then one row per draft: 1 + k verify rows.
+                batch.sample_rows.extend(range(start + n - 1, start + total))
                 batch.sample_reqs.append(req)
+                batch.drafts.append(spec)
             if req.prompt_logprobs is not None:
                 # Rows at positions [lo, hi) predict prompt tokens lo+1 .. hi. Rows scored before a
                 # preemption are not scored again when the prompt is recomputed.
@@ -149,29 +165,78 @@ class ModelRunner:
         )
         result = StepResult()
         prompt_jobs = self._score_prompts(batch, hidden)
-        tokens = lp = None
-        if batch.sample_rows:
-            rows = [row_spec(r, r.streams.sample) for r in batch.sample_reqs]
-            logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
-            md = SamplingMetadata.build(rows, self.vocab_size, dev)
-            processed = apply_processors(logits, md)
-            tokens = sample(processed, md)
-            lp, order = score_rows(logits, processed, tokens, rows, self.vocab_size)
+        out = self._sample(batch, hidden) if batch.sample_rows else None
 
         # The step's single device-to-host transfer and synchronisation point.
-        tokens_host = tokens.to("cpu", non_blocking=True) if tokens is not None else None
-        lp_host = lp.to_cpu_nonblocking() if lp is not None else None
+        host = None
+        if out is not None:
+            host = (out.sampled.to("cpu", non_blocking=True), out.num_sampled.to("cpu", non_blocking=True),
+                    out.logprobs.to_cpu_nonblocking() if out.logprobs is not None else None)
         prompt_host = [(req, lo, t.to_cpu_nonblocking()) for req, lo, t in prompt_jobs]
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
-        if tokens_host is not None:
-            for req, tok in zip(batch.sample_reqs, tokens_host.tolist()):
-                result.sampled[req.request_id] = [tok]
-        if lp_host is not None:
-            lists = lp_host.tolists()
-            for j, i in enumerate(order):
-                result.logprobs[batch.sample_reqs[i].request_id] = lists.slice_request(j)
+        if host is not None:
+            sampled, num_sampled, lp_host = host[0].tolist(), host[1].tolist(), host[2]
+            lists = lp_host.tolists() if lp_host is not None else None
+            for i, req in enumerate(batch.sample_reqs):
+                n = num_sampled[i]
+                result.sampled[req.request_id] = sampled[i][:n]
+                if batch.drafts[i]:
+                    result.num_accepted[req.request_id] = n - 1
+                if lists is not None and i in out.lp_start:
+                    start = out.lp_start[i]
+                    result.logprobs[req.request_id] = LogprobsLists(
+                        lists.logprob_token_ids[start : start + n], lists.logprobs[start : start + n],
+                        lists.selected_token_ranks[start : start + n],
+                    )
         for req, lo, t in prompt_host:
             result.prompt_logprobs[req.request_id] = (lo, t.tolists())
         return result
+
+    def _sample(self, batch: FlatBatch, hidden: torch.Tensor) -> "SampleOutput":
+        """Processes every sampled/verify row, then samples (no drafts) or verifies (drafts)."""
+        dev = self.device
+        rows: list[RowSpec] = []
+        for req, spec in zip(batch.sample_reqs, batch.drafts):
+            for j in range(len(spec) + 1):
+                # Verify row j assumes drafts 1..j were accepted: penalties and min_tokens see them.
+                rows.append(row_spec(req, req.streams.sample, spec[:j]))
+        logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
+        md = SamplingMetadata.build(rows, self.vocab_size, dev)
+        processed = apply_processors(logits, md)
+        num_reqs = len(batch.sample_reqs)
+        k = max(len(d) for d in batch.drafts)
+        if k == 0:
+            tokens = sample(processed, md)
+            sampled, num_sampled, selected = tokens[:, None], torch.ones_like(tokens), tokens
+        else:
+            dest, padded_drafts = [], []
+            for i, spec in enumerate(batch.drafts):
+                dest.extend(i * (k + 1) + j for j in range(len(spec) + 1))
+                padded_drafts.append(spec + [0] * (k - len(spec)))
+            dest_t = torch.tensor(dest, dtype=torch.long, device=dev)
+            # Padding rows hold zeros (a uniform row); verification never reads them.
+            padded = processed.new_zeros(num_reqs * (k + 1), processed.shape[1]).index_copy_(0, dest_t, processed)
+            greedy = [r.params.greedy for r in batch.sample_reqs]
+            streams = [None if g else r.streams for g, r in zip(greedy, batch.sample_reqs)]
+            out = verify(
+                padded.view(num_reqs, k + 1, -1),
+                torch.tensor(padded_drafts, dtype=torch.long, device=dev),
+                torch.tensor([len(d) for d in batch.drafts], dtype=torch.long, device=dev),
+                None,
+                greedy,
+                [s and s.accept for s in streams],
+                [s and s.recover for s in streams],
+                [s and s.sample for s in streams],
+            )
+            sampled, num_sampled = out.sampled, out.num_sampled
+            # Each row is scored at the token it emits (padding -1 -> 0; those rows are dropped).
+            selected = sampled.reshape(-1)[dest_t].clamp_min(0)
+        lp, order = score_rows(logits, processed, selected, rows, self.vocab_size)
+        # Rows of one request are contiguous in `rows` and keep their order inside a mode group.
+        lp_start: dict[int, int] = {}
+        req_of_row = [i for i, spec in enumerate(batch.drafts) for _ in range(len(spec) + 1)]
+        for pos, row in enumerate(order):
+            lp_start.setdefault(req_of_row[row], pos)
+        return SampleOutput(sampled, num_sampled, lp, lp_start)

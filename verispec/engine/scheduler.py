@@ -21,9 +21,15 @@ from verispec.engine.request import Request, RequestStatus
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens fed to the model this step (chunk, or 1 decode token)
+    num_new_tokens: int  # known tokens fed to the model this step (chunk, or 1 decode token)
     # True when this step reaches the end of the request's known tokens: its last row is sampled.
     samples: bool
+    # Draft tokens fed after the known ones, to be verified in this same forward.
+    spec_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_new_tokens + len(self.spec_tokens)
 
 
 @dataclass(slots=True)
@@ -33,7 +39,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -58,10 +64,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, num_new, out):
+            # Drafts ride along only on a plain decode step, and only as far as the budget allows.
+            spec = req.spec_tokens[: budget - num_new] if num_new == 1 else []
+            if not self._allocate_or_preempt(req, num_new + len(spec), out):
                 break  # req itself was preempted; everything after it already was
-            out.scheduled.append(self._entry(req, num_new))
-            budget -= num_new
+            entry = self._entry(req, num_new)
+            entry.spec_tokens = spec
+            out.scheduled.append(entry)
+            budget -= num_new + len(spec)
             i += 1
         if not out.preempted:  # a short pool admits nobody new this step
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -91,6 +101,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.request_id)
+        req.spec_tokens, req.draft_probs = [], None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -17,6 +17,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--seed", type=int, default=None, help="sampling seed of the request")
+    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model", "layer_skip"],
+                   help="speculative decoding drafter (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (k)")
+    p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative-method draft_model")
+    p.add_argument("--draft-layers", type=int, default=None, help="target layers used by layer_skip")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -56,9 +61,13 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
+    spec = None
+    if args.speculative_method:
+        spec = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+                "model": args.draft_model, "num_layers": args.draft_layers}
     llm = LLM(
         args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs, speculative_config=spec,
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]

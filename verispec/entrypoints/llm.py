@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from verispec.config import EngineConfig, LogprobsMode, parse_device, parse_dtype
+from verispec.config import EngineConfig, LogprobsMode, SpeculativeConfig, parse_device, parse_dtype
 from verispec.engine.llm_engine import LLMEngine
 from verispec.outputs import RequestOutput
 from verispec.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ class LLM:
         logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS,
         max_logprobs: int = 20,
         num_threads: int | None = None,
+        speculative_config: "SpeculativeConfig | dict | None" = None,
     ):
         config = EngineConfig(
             model=model,
@@ -47,6 +48,7 @@ class LLM:
             logprobs_mode=LogprobsMode.parse(logprobs_mode),
             max_logprobs=max_logprobs,
             num_threads=num_threads,
+            speculative=SpeculativeConfig.parse(speculative_config),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -13,10 +13,16 @@ from verispec.sample.metadata import SamplingMetadata
 
 
 def exponential_noise(shape_row: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
-    """[len(generators), shape_row] Exp(1) noise, row i from generators[i]."""
+    """[len(generators), shape_row] Exp(1) noise, row i from generators[i].
+
+    A None generator marks a row that is never sampled (a greedy row): it gets ones, and no
+    stream is advanced for it."""
     noise = torch.empty(len(generators), shape_row, device=device)
     for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
+        if gen is None:
+            noise[i].fill_(1.0)
+        else:
+            noise[i].exponential_(generator=gen)
     return noise
 
 

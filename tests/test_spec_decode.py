@@ -1,0 +1,303 @@
+"""Speculative decoding: the verifier on hand-built p and q, lossless greedy output, exact logprobs,
+the output distribution by chi-square, and block accounting after many rejections."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import hf_model, make_tiny_checkpoint, random_prompts
+from verispec import LLM, SamplingParams
+from verispec.engine.request import RandomStreams
+from verispec.spec_decode import rejection
+from verispec.spec_decode.ngram import propose_ngram
+from verispec.spec_decode.rejection import verify
+
+NEG = float("-inf")
+
+
+# ------------------------------------------------------------------------------ the verifier
+def run_verify(logits, drafts, num_drafts, q=None, greedy=False, seed=0):
+    r = logits.shape[0]
+    streams = [RandomStreams(seed + i, torch.device("cpu")) for i in range(r)]
+    pick = lambda name: [None if greedy else getattr(s, name) for s in streams]  # noqa: E731
+    return verify(
+        logits, torch.tensor(drafts), torch.tensor(num_drafts), q, [greedy] * r,
+        pick("accept"), pick("recover"), pick("sample"),
+    )
+
+
+def peaked(rows: list[int], vocab: int = 8) -> torch.Tensor:
+    """Logits whose argmax per row is the given token, by a wide margin."""
+    out = torch.zeros(len(rows), vocab)
+    for i, t in enumerate(rows):
+        out[i, t] = 20.0
+    return out
+
+
+def test_greedy_perfect_match_emits_drafts_and_bonus():
+    out = run_verify(peaked([3, 4, 5, 6])[None], [[3, 4, 5]], [3], greedy=True)
+    assert out.sampled.tolist() == [[3, 4, 5, 6]] and out.num_sampled.tolist() == [4]
+
+
+def test_greedy_early_mismatch_emits_argmax_and_stops():
+    out = run_verify(peaked([3, 4, 5, 6])[None], [[3, 7, 5]], [3], greedy=True)
+    assert out.sampled.tolist() == [[3, 4, -1, -1]] and out.num_accepted.tolist() == [1]
+
+
+def test_padding_drafts_are_ignored():
+    logits = torch.stack([peaked([3, 4, 5, 6]), peaked([1, 2, 0, 0])])
+    out = run_verify(logits, [[3, 4, 5], [1, 0, 0]], [3, 1], greedy=True)
+    assert out.sampled.tolist() == [[3, 4, 5, 6], [1, 2, -1, -1]]
+
+
+def test_random_accepts_everything_when_q_equals_p_and_adds_bonus():
+    logits = torch.randn(1, 4, 8)
+    q = logits[:, :3].softmax(-1)
+    drafts = [[int(torch.multinomial(q[0, j], 1)) for j in range(3)]]
+    out = run_verify(logits, drafts, [3], q=q)
+    assert out.num_accepted.tolist() == [3] and out.sampled[0, :3].tolist() == drafts[0]
+
+
+def test_zero_q_always_rejects_and_recovers_outside_the_draft():
+    logits = torch.zeros(1, 2, 8)
+    q = torch.full((1, 1, 8), 1 / 7)
+    q[0, 0, 2] = 0.0  # the draft token has no draft mass: reject whatever u is
+    for seed in range(20):
+        out = run_verify(logits, [[2]], [1], q=q, seed=seed)
+        assert out.num_accepted.tolist() == [0]
+        # Residual max(p - q, 0) is all on token 2 here (p uniform 1/8 < q elsewhere).
+        assert out.sampled[0, 0].item() == 2
+
+
+def test_one_hot_rejection_never_re_emits_the_draft():
+    logits = torch.zeros(1, 2, 8)
+    logits[0, 0, 5] = -1.0  # p(5) < 1: sometimes rejected
+    for seed in range(50):
+        out = run_verify(logits, [[5]], [1], seed=seed)
+        if out.num_accepted.item() == 0:
+            assert out.sampled[0, 0].item() != 5
+
+
+def test_seeded_verification_is_deterministic():
+    logits = torch.randn(3, 4, 16)
+    drafts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    a = run_verify(logits, drafts, [3, 2, 3], seed=5)
+    b = run_verify(logits, drafts, [3, 2, 3], seed=5)
+    assert torch.equal(a.sampled, b.sampled)
+
+
+def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson statistic over bins with expected >= 5 (the rest merged into one bin)."""
+    stat, df, rest_obs, rest_exp = 0.0, -1, 0, 0.0
+    for key, p in probs.items():
+        exp = n * p
+        if exp >= 5:
+            stat += (counts.get(key, 0) - exp) ** 2 / exp
+            df += 1
+        else:
+            rest_obs += counts.get(key, 0)
+            rest_exp += exp
+    extra = sum(v for key, v in counts.items() if key not in probs)
+    rest_obs += extra
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        df += 1
+    elif extra:
+        stat = math.inf  # mass where the exact distribution has none
+    return stat, max(df, 1)
+
+
+def passes(counts, probs, n) -> bool:
+    stat, df = chi_square(counts, probs, n)
+    return stat < df + 10 * math.sqrt(2 * df)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_verifier_output_distribution_equals_p(with_q):
+    """First emitted token over many seeds equals p whatever the draft distribution q."""
+    g = torch.Generator().manual_seed(0)
+    vocab, n = 6, 6000
+    logits = torch.randn(1, 2, vocab, generator=g)
+    p = logits[0, 0].softmax(-1)
+    q = torch.randn(1, 1, vocab, generator=g).softmax(-1) if with_q else None
+    counts: dict[int, int] = {}
+    for seed in range(n):
+        dg = torch.Generator().manual_seed(10_000 + seed)
+        draft = int(torch.multinomial(q[0, 0], 1, generator=dg)) if with_q else 2
+        tok = run_verify(logits, [[draft]], [1], q=q, seed=seed).sampled[0, 0].item()
+        counts[tok] = counts.get(tok, 0) + 1
+    assert passes(counts, {i: p[i].item() for i in range(vocab)}, n)
+
+
+# ------------------------------------------------------------------------------ the engine
+def test_ngram_proposals():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 2, 1, 3) == [3, 4]
+    assert propose_ngram([1, 2, 3], 2, 1, 3) == []
+    assert propose_ngram([5, 6, 5, 6, 5], 3, 2, 2) == [6, 5]
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a motif, so prompt lookup has something to propose."""
+    out = []
+    for i, base in enumerate(random_prompts(n, 4, 9, seed=seed)):
+        out.append((base * 6)[: 10 + 5 * i] + base[:2])
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_ngram_greedy_equals_non_speculative(tiny_llama, k, batch):
+    prompts = repetitive_prompts(batch, seed=20 + k)
+    # Long enough for greedy decoding of a random model to fall into loops prompt lookup can see.
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    stats = spec_llm.stats()
+    assert stats["num_draft_tokens"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_under_speculation_equal_non_speculative(tiny_llama, mode):
+    prompts = repetitive_prompts(4, seed=30)
+    params = [
+        SamplingParams(temperature=0, max_tokens=48, logprobs=3, ignore_eos=True, logprobs_mode=mode),
+        SamplingParams(temperature=0, max_tokens=48, logprobs=2, repetition_penalty=1.2, ignore_eos=True, logprobs_mode=mode),
+        SamplingParams(temperature=0, max_tokens=48, logprobs=4, top_k=5, ignore_eos=True, logprobs_mode=mode),
+        SamplingParams(temperature=0, max_tokens=48, logprobs=1, presence_penalty=0.5, frequency_penalty=0.3, ignore_eos=True, logprobs_mode=mode),
+    ]
+    base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert spec_llm.stats()["num_accepted_tokens"] > 0
+    for a, b in zip(base, spec):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        for ea, eb, tok in zip(ca.logprobs, cb.logprobs, cb.token_ids):
+            assert tok in eb and ea.keys() == eb.keys()
+            for t in ea:
+                assert abs(ea[t].logprob - eb[t].logprob) < 1e-4 or ea[t].logprob == eb[t].logprob
+                assert ea[t].rank == eb[t].rank
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("v16") / "m", "llama", vocab_size=16, initializer_range=0.3)
+    return path, hf_model(path)
+
+
+def exact_two_token_distribution(model, prompt, params) -> dict[tuple[int, int], float]:
+    """p(t1, t2) from HF logits with the request's processors applied (temperature/top-k/top-p)."""
+    from test_logprobs import hf_processed
+
+    def dist(ids):
+        with torch.no_grad():
+            row = model(torch.tensor([ids])).logits[0, -1].float()
+        return hf_processed(row, params, ids).softmax(-1)
+
+    p1 = dist(prompt)
+    out = {}
+    for t1 in range(p1.shape[0]):
+        if p1[t1] > 0:
+            p2 = dist(prompt + [t1])
+            for t2 in range(p2.shape[0]):
+                if p2[t2] > 0:
+                    out[(t1, t2)] = (p1[t1] * p2[t2]).item()
+    return out
+
+
+def sample_pairs(path, prompt, params, n, spec=True) -> dict[tuple[int, int], int]:
+    kw = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}} if spec else {}
+    llm = LLM(path, max_num_seqs=256, seed=123, **kw)
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    counts: dict[tuple[int, int], int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    assert llm.stats()["num_draft_tokens"] > 0 or not spec
+    return counts
+
+
+# Every token but 0 is followed by 0: whatever the first generated token is, prompt lookup drafts
+# 0 (and what follows it) for the second, so the second token is always verified. For this seeded
+# model the second token is 0 about half the time, so drafts are often accepted and often not.
+PROMPT16 = [t for tok in range(1, 16) for t in (tok, 0)] + [3]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=6, top_p=0.9, max_tokens=2, ignore_eos=True),
+], ids=["plain", "topk_topp"])
+def test_speculative_distribution_matches_target(small_vocab_model, params):
+    path, model = small_vocab_model
+    n = 3000
+    exact = exact_two_token_distribution(model, PROMPT16, params)
+    counts = sample_pairs(path, PROMPT16, params, n)
+    stat, df = chi_square(counts, exact, n)
+    assert stat < df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+def test_biased_verifier_fails_the_distribution_test(small_vocab_model, monkeypatch):
+    """Skipping the residual (re-drawing a rejected token from p itself) must be caught."""
+    path, model = small_vocab_model
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+
+    # The classic bug: after a rejection, draw from p itself instead of norm(max(p - q, 0)).
+    monkeypatch.setattr(rejection, "residual_distribution", lambda probs, drafts, q: probs)
+    n = 3000
+    exact = exact_two_token_distribution(model, PROMPT16, params)
+    counts = sample_pairs(path, PROMPT16, params, n)
+    stat, df = chi_square(counts, exact, n)
+    assert stat > df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+def test_blocks_all_free_after_long_speculative_run(tiny_llama):
+    llm = LLM(tiny_llama, block_size=4, max_num_batched_tokens=32,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1})
+    prompts = repetitive_prompts(8, seed=40)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=60, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] > stats["num_accepted_tokens"]  # many rejections
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert len(stats["accepted_per_position"]) == 5
+    assert stats["mean_acceptance_length"] >= 1.0
+
+
+def test_speculative_config_validation(tiny_llama):
+    with pytest.raises(ValueError, match="method"):
+        LLM(tiny_llama, speculative_config={"method": "medusa"})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="unknown keys"):
+        LLM(tiny_llama, speculative_config={"method": "ngram", "k": 3})
+
+
+EXTRACTIVE = (
+    "Summarize the notice below, quoting it exactly.\n\n"
+    "Notice: The library on Elm Street will close at 5 pm on Friday for the annual inventory. "
+    "Books due on Friday may be returned on Monday without a late fee. The reading room will reopen "
+    "on Saturday at 9 am, and the children's story hour moves to Sunday at 11 am.\n\nQuoted notice:"
+)
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_greedy_and_logprobs_equal_non_speculative(smollm2_path):
+    prompts = [EXTRACTIVE, EXTRACTIVE.replace("Elm", "Oak"), "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):"]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, logprobs_mode="processed_logprobs")
+    base = LLM(smollm2_path, max_num_batched_tokens=64).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(smollm2_path, max_num_batched_tokens=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    stats = spec_llm.stats()
+    assert stats["num_accepted_tokens"] > 10 and stats["mean_acceptance_length"] > 1.3
+    for a, b in zip(base, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ea.keys() == eb.keys()
+            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 and ea[t].rank == eb[t].rank for t in ea)
