@@ -212,8 +212,11 @@ def exact_two_token_distribution(model, prompt, params) -> dict[tuple[int, int],
     return out
 
 
-def sample_pairs(path, prompt, params, n, spec=True) -> dict[tuple[int, int], int]:
-    kw = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}} if spec else {}
+NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def sample_pairs(path, prompt, params, n, spec=NGRAM3) -> dict[tuple[int, int], int]:
+    kw = {"speculative_config": spec} if spec else {}
     llm = LLM(path, max_num_seqs=256, seed=123, **kw)
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     counts: dict[tuple[int, int], int] = {}
@@ -230,15 +233,17 @@ def sample_pairs(path, prompt, params, n, spec=True) -> dict[tuple[int, int], in
 PROMPT16 = [t for tok in range(1, 16) for t in (tok, 0)] + [3]
 
 
+@pytest.mark.parametrize("spec", [NGRAM3, {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}],
+                         ids=["ngram_one_hot_q", "layer_skip_with_q"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
     SamplingParams(temperature=0.9, top_k=6, top_p=0.9, max_tokens=2, ignore_eos=True),
 ], ids=["plain", "topk_topp"])
-def test_speculative_distribution_matches_target(small_vocab_model, params):
+def test_speculative_distribution_matches_target(small_vocab_model, params, spec):
     path, model = small_vocab_model
     n = 3000
     exact = exact_two_token_distribution(model, PROMPT16, params)
-    counts = sample_pairs(path, PROMPT16, params, n)
+    counts = sample_pairs(path, PROMPT16, params, n, spec)
     stat, df = chi_square(counts, exact, n)
     assert stat < df + 10 * math.sqrt(2 * df), (stat, df)
 
@@ -255,6 +260,39 @@ def test_biased_verifier_fails_the_distribution_test(small_vocab_model, monkeypa
     counts = sample_pairs(path, PROMPT16, params, n)
     stat, df = chi_square(counts, exact, n)
     assert stat > df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_layer_skip_greedy_equals_non_speculative(tiny_llama, k, batch, layers):
+    prompts = random_prompts(batch, 5, 40, seed=50 + k)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    base = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4,
+                   speculative_config={"method": "layer_skip", "num_layers": layers, "num_speculative_tokens": k})
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    stats = spec_llm.stats()
+    assert stats["num_draft_tokens"] > 0
+    if layers == 2:  # the draft is the whole target: every draft is accepted
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_layer_skip_logprobs_equal_non_speculative(tiny_llama):
+    prompts = random_prompts(4, 5, 30, seed=60)
+    params = [SamplingParams(temperature=0, max_tokens=16, logprobs=3, logprobs_mode=m, repetition_penalty=1.1, ignore_eos=True)
+              for m in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")]
+    base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(tiny_llama, speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3})
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert spec_llm.stats()["num_accepted_tokens"] > 0
+    for a, b in zip(base, spec):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ea.keys() == eb.keys()
+            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 and ea[t].rank == eb[t].rank for t in ea)
 
 
 def test_blocks_all_free_after_long_speculative_run(tiny_llama):
@@ -277,6 +315,8 @@ def test_speculative_config_validation(tiny_llama):
         LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown keys"):
         LLM(tiny_llama, speculative_config={"method": "ngram", "k": 3})
+    with pytest.raises(ValueError, match="num_layers"):
+        LLM(tiny_llama, speculative_config={"method": "layer_skip", "num_layers": 9})
 
 
 EXTRACTIVE = (

@@ -72,7 +72,8 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens if config.speculative else 0)
-        self.drafter = make_drafter(config.speculative) if config.speculative else None
+        self.drafter = make_drafter(config.speculative, model_cfg.num_layers) if config.speculative else None
+        self.runner.drafter = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -195,7 +196,7 @@ class LLMEngine:
                 # The cache now holds the accepted drafts; slots of rejected ones go back.
                 req.num_computed_tokens += accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
-            req.spec_tokens = []
+            req.spec_tokens, req.draft_probs = [], None
             prompt_rows = result.prompt_logprobs.get(req.request_id)
             if prompt_rows is not None:
                 self.output.append_prompt_logprobs(req, *prompt_rows)

@@ -48,6 +48,7 @@ class FlatBatch:
     sample_rows: list[int]  # flat rows whose logits are sampled or verified
     sample_reqs: list[Request]
     drafts: list[list[int]]  # per sampled request: its draft tokens (empty: plain sampling)
+    draft_probs: list[torch.Tensor | None]  # per sampled request: q rows [k, V] (None: one-hot)
     # (request, first flat row, first prompt position, end position) of prompt rows to score
     prompt_jobs: list[tuple[Request, int, int, int]]
 
@@ -113,9 +114,10 @@ class ModelRunner:
         self.pool = pool
         self.vocab_size = model.cfg.vocab_size
         self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
+        self.drafter = None  # a model-based drafter drafts inside the step, before the verify forward
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
-        batch = FlatBatch([], [], [], [], [], [], [])
+        batch = FlatBatch([], [], [], [], [], [], [], [])
         for s in sched.scheduled:
             req, n, spec = s.request, s.num_new_tokens, s.spec_tokens
             start, done = len(batch.input_ids), req.num_computed_tokens
@@ -129,6 +131,7 @@ class ModelRunner:
                 batch.sample_rows.extend(range(start + n - 1, start + total))
                 batch.sample_reqs.append(req)
                 batch.drafts.append(spec)
+                batch.draft_probs.append(req.draft_probs if spec else None)
             if req.prompt_logprobs is not None:
                 # Rows at positions [lo, hi) predict prompt tokens lo+1 .. hi. Rows scored before a
                 # preemption are not scored again when the prompt is recomputed.
@@ -154,6 +157,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        if self.drafter is not None:
+            self.drafter.draft(self, sched.scheduled)
         batch = self.build_batch(sched)
         dev = self.device
         meta = build_attention_metadata(batch.spans, self.pool.block_size, dev, self.model.dtype)
@@ -220,11 +225,18 @@ class ModelRunner:
             padded = processed.new_zeros(num_reqs * (k + 1), processed.shape[1]).index_copy_(0, dest_t, processed)
             greedy = [r.params.greedy for r in batch.sample_reqs]
             streams = [None if g else r.streams for g, r in zip(greedy, batch.sample_reqs)]
+            q = None
+            if any(p is not None for p in batch.draft_probs):
+                # Requests without drafts get zero q rows; verification masks them out.
+                q = processed.new_zeros(num_reqs, k, processed.shape[1])
+                for i, rows_q in enumerate(batch.draft_probs):
+                    if rows_q is not None:
+                        q[i, : rows_q.shape[0]] = rows_q
             out = verify(
                 padded.view(num_reqs, k + 1, -1),
                 torch.tensor(padded_drafts, dtype=torch.long, device=dev),
                 torch.tensor([len(d) for d in batch.drafts], dtype=torch.long, device=dev),
-                None,
+                q,
                 greedy,
                 [s and s.accept for s in streams],
                 [s and s.recover for s in streams],

@@ -137,11 +137,14 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden], for every token of the flat batch."""
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, num_layers: int | None = None):
+        """Hidden states after the final norm, [T, hidden], for every token of the flat batch.
+
+        num_layers runs only the first layers (then the final norm): the layer-skip drafter."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions)
-        for layer, cache in zip(self.layers, kv_caches):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, cache in zip(layers, kv_caches):
             x = layer(x, cos, sin, meta, cache)
         return self.norm(x)
 

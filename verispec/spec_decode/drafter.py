@@ -8,6 +8,8 @@ from verispec.spec_decode.ngram import propose_ngram
 
 
 class NgramDrafter:
+    needs_forward = False
+
     def __init__(self, cfg: SpeculativeConfig):
         self.k = cfg.num_speculative_tokens
         self.n_min, self.n_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
@@ -22,9 +24,13 @@ class NgramDrafter:
                 req.spec_tokens = propose_ngram(req.token_ids, room, self.n_min, self.n_max)
 
 
-def make_drafter(cfg: SpeculativeConfig):
+def make_drafter(cfg: SpeculativeConfig, num_target_layers: int):
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
+    if cfg.method == "layer_skip":
+        from verispec.spec_decode.layer_skip import LayerSkipDrafter
+
+        return LayerSkipDrafter(cfg, num_target_layers)
     raise ValueError(
-        f"speculative_config.method {cfg.method!r} is not available yet; this version implements 'ngram'"
+        f"speculative_config.method {cfg.method!r} is not available yet; this version implements 'ngram' and 'layer_skip'"
     )
