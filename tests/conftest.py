@@ -13,7 +13,7 @@ import torch
 TINY_VOCAB = 512
 
 
-def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
+def make_tiny_checkpoint(path, arch: str = "llama", seed: int | None = None, **overrides) -> str:
     """A tiny random HF model saved with save_pretrained; weights scaled up so that greedy
     decoding is not a sea of near-ties."""
     from transformers import (
@@ -38,7 +38,7 @@ def make_tiny_checkpoint(path, arch: str = "llama", **overrides) -> str:
         common.setdefault("head_dim", 16)
     if arch == "mistral":
         common.setdefault("sliding_window", None)
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[arch])
+    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[arch] if seed is None else seed)
     model = model_cls(cfg_cls(**common)).eval()
     model.save_pretrained(str(path))
     return str(path)

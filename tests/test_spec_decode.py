@@ -233,14 +233,25 @@ def sample_pairs(path, prompt, params, n, spec=NGRAM3) -> dict[tuple[int, int], 
 PROMPT16 = [t for tok in range(1, 16) for t in (tok, 0)] + [3]
 
 
-@pytest.mark.parametrize("spec", [NGRAM3, {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}],
-                         ids=["ngram_one_hot_q", "layer_skip_with_q"])
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, small_vocab_model):
+    """A draft model with the same shape and vocab but different weights (drafts often rejected)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("d16") / "d", "llama", seed=99, vocab_size=16,
+                                initializer_range=0.3, num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "layer_skip", "draft_model"], ids=["ngram_one_hot_q", "layer_skip_q", "draft_model_q"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
     SamplingParams(temperature=0.9, top_k=6, top_p=0.9, max_tokens=2, ignore_eos=True),
 ], ids=["plain", "topk_topp"])
-def test_speculative_distribution_matches_target(small_vocab_model, params, spec):
+def test_speculative_distribution_matches_target(small_vocab_model, other_draft, params, spec):
     path, model = small_vocab_model
+    spec = {
+        "ngram": NGRAM3,
+        "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2},
+        "draft_model": {"method": "draft_model", "model": other_draft, "num_speculative_tokens": 2},
+    }[spec]
     n = 3000
     exact = exact_two_token_distribution(model, PROMPT16, params)
     counts = sample_pairs(path, PROMPT16, params, n, spec)
@@ -293,6 +304,40 @@ def test_layer_skip_logprobs_equal_non_speculative(tiny_llama):
         for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert ea.keys() == eb.keys()
             assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 and ea[t].rank == eb[t].rank for t in ea)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("draft") / "d", "llama", seed=7, num_hidden_layers=1)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("draft", ["other", "same"])
+def test_draft_model_greedy_equals_non_speculative(tiny_llama, tiny_draft, k, batch, draft):
+    prompts = random_prompts(batch, 5, 40, seed=70 + k)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    base = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4).generate(prompts, params, use_tqdm=False)
+    model = tiny_draft if draft == "other" else tiny_llama
+    spec_llm = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4,
+                   speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": k})
+    spec = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    stats = spec_llm.stats()
+    assert stats["num_draft_tokens"] > 0
+    if draft == "same":  # the draft is the target: every draft is accepted
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    else:
+        assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_draft_model_vocab_mismatch_is_a_clear_error(tiny_llama, tmp_path):
+    wrong = make_tiny_checkpoint(tmp_path / "w", "llama", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tiny_llama, speculative_config={"method": "draft_model", "model": wrong})
+    with pytest.raises(ValueError, match="model"):
+        LLM(tiny_llama, speculative_config={"method": "draft_model"})
 
 
 def test_blocks_all_free_after_long_speculative_run(tiny_llama):

@@ -72,7 +72,9 @@ class LLMEngine:
         self._arrival = itertools.count()
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens if config.speculative else 0)
-        self.drafter = make_drafter(config.speculative, model_cfg.num_layers) if config.speculative else None
+        self.drafter = None
+        if config.speculative:
+            self.drafter = make_drafter(config.speculative, self.model, self.tokenizer, config)
         self.runner.drafter = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
 
     def _num_blocks(self) -> int:

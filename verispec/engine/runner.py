@@ -162,12 +162,11 @@ class ModelRunner:
         batch = self.build_batch(sched)
         dev = self.device
         meta = build_attention_metadata(batch.spans, self.pool.block_size, dev, self.model.dtype)
-        hidden = self.model(
-            torch.tensor(batch.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(batch.positions, dtype=torch.long, device=dev),
-            meta,
-            self.kv.layers,
-        )
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        hidden = self.model(input_ids, positions, meta, self.kv.layers)
+        if self.drafter is not None:
+            self.drafter.observe(self, input_ids, positions, meta)
         result = StepResult()
         prompt_jobs = self._score_prompts(batch, hidden)
         out = self._sample(batch, hidden) if batch.sample_rows else None

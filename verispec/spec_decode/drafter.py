@@ -1,10 +1,29 @@
-"""Drafters: after each step, propose draft tokens for the requests that are decoding."""
+"""Drafters propose draft tokens for the requests that are decoding.
+
+- `NgramDrafter` proposes at the end of a step from the request's own tokens (no q).
+- `ModelDrafter`s (layer_skip, draft_model) reserve k placeholder slots at the end of a step, so
+  the scheduler can budget and allocate them, then draft inside the next step, after scheduling
+  and before the verify forward (`draft`), and return q, the processed draft distribution.
+"""
 
 from __future__ import annotations
 
+import torch
+
 from verispec.config import SpeculativeConfig
 from verispec.engine.request import Request
+from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.sample.metadata import SamplingMetadata
+from verispec.sample.processors import apply_processors
+from verispec.sample.sampler import sample
 from verispec.spec_decode.ngram import propose_ngram
+
+
+def draft_room(req: Request, k: int, max_model_len: int) -> int:
+    """Drafts a decoding request may carry: never more than it could still emit."""
+    if req.num_tokens - req.num_computed_tokens != 1:
+        return 0  # still prefilling: nothing to speculate on yet
+    return max(0, min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens, k))
 
 
 class NgramDrafter:
@@ -16,21 +35,79 @@ class NgramDrafter:
 
     def propose(self, running: list[Request], max_model_len: int) -> None:
         for req in running:
-            if req.num_tokens - req.num_computed_tokens != 1:
-                continue  # still prefilling: nothing to speculate on yet
-            # No draft past the request's own limits: it could never be emitted.
-            room = min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens, self.k)
-            if room > 0:
+            room = draft_room(req, self.k, max_model_len)
+            if room:
                 req.spec_tokens = propose_ngram(req.token_ids, room, self.n_min, self.n_max)
 
 
-def make_drafter(cfg: SpeculativeConfig, num_target_layers: int):
+class ModelDrafter:
+    needs_forward = True
+    num_layers: int | None = None  # layers of the drafting model to run (None: all)
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.k = cfg.num_speculative_tokens
+
+    def propose(self, running: list[Request], max_model_len: int) -> None:
+        for req in running:
+            room = draft_room(req, self.k, max_model_len)
+            if room:
+                req.spec_tokens = [0] * room  # placeholders, replaced by `draft`
+
+    def model_and_cache(self, runner):
+        raise NotImplementedError
+
+    def observe(self, runner, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+        """Called with the target's flat batch after its forward; keeps the drafter's cache in step."""
+
+    @torch.inference_mode()
+    def draft(self, runner, scheduled) -> None:
+        """Replaces the placeholders of the scheduled requests with drafts and their q rows."""
+        from verispec.engine.runner import row_spec  # the runner imports the drafters
+
+        jobs = [s for s in scheduled if s.spec_tokens]
+        if not jobs:
+            return
+        model, kv_layers = self.model_and_cache(runner)
+        pool, dev = runner.pool, runner.device
+        drafts: list[list[int]] = [[] for _ in jobs]
+        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        last = torch.tensor([s.request.token_ids[s.request.num_computed_tokens] for s in jobs], device=dev)
+        for j in range(max(len(s.spec_tokens) for s in jobs)):
+            # Step j feeds each request's newest token (the pending one, then its drafts) at its
+            # position, through the drafting model and into the drafting model's cache.
+            active = [i for i, s in enumerate(jobs) if len(s.spec_tokens) > j]
+            spans, positions = [], []
+            for row, i in enumerate(active):
+                req = jobs[i].request
+                pos = req.num_computed_tokens + j
+                positions.append(pos)
+                spans.append(SeqSpan(row, 1, pos + 1, pool.table(req.request_id)))
+            meta = build_attention_metadata(spans, pool.block_size, dev, model.dtype)
+            index = torch.tensor(active, dtype=torch.long, device=dev)
+            hidden = model(last[index], torch.tensor(positions, device=dev), meta, kv_layers, self.num_layers)
+            rows = [row_spec(jobs[i].request, jobs[i].request.streams.draft, drafts[i]) for i in active]
+            md = SamplingMetadata.build(rows, runner.vocab_size, dev)
+            processed = apply_processors(model.compute_logits(hidden), md)
+            tokens = sample(processed, md)
+            q = processed.softmax(dim=-1)
+            last = last.index_copy(0, index, tokens)
+            # A host read per draft step: the next step's penalty histories (and the verify batch)
+            # are host lists. On CUDA this is k extra syncs per step; see docs/design.md.
+            for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
+                drafts[i].append(tok)
+                probs[i].append(q[row])
+        for s, d, q in zip(jobs, drafts, probs):
+            s.spec_tokens = d
+            s.request.draft_probs = torch.stack(q)
+
+
+def make_drafter(cfg: SpeculativeConfig, target, target_tokenizer, engine_config):
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
     if cfg.method == "layer_skip":
         from verispec.spec_decode.layer_skip import LayerSkipDrafter
 
-        return LayerSkipDrafter(cfg, num_target_layers)
-    raise ValueError(
-        f"speculative_config.method {cfg.method!r} is not available yet; this version implements 'ngram' and 'layer_skip'"
-    )
+        return LayerSkipDrafter(cfg, target.cfg.num_layers)
+    from verispec.spec_decode.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(cfg, target, target_tokenizer, engine_config)

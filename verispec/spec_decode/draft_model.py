@@ -1,0 +1,45 @@
+"""A separate, smaller draft model with the target's tokenizer.
+
+It keeps its own KV cache tensors but shares the target's block tables: a position lives in the
+same slot in both caches. Every step the draft model also runs over the target's flat batch
+(prefill chunks and verify rows), so its cache holds every position the target's does, including
+a fully accepted last draft that the drafting steps never fed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.config import SpeculativeConfig
+from verispec.engine.kv_cache import KVCacheTensors
+from verispec.models.llama import LlamaModel
+from verispec.models.loader import load_checkpoint, load_tokenizer
+from verispec.spec_decode.drafter import ModelDrafter
+
+
+class DraftModelDrafter(ModelDrafter):
+    def __init__(self, cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, engine_config):
+        super().__init__(cfg)
+        model_cfg, weights = load_checkpoint(cfg.model, engine_config.dtype)
+        if model_cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError(
+                f"speculative_config.model has a vocabulary of {model_cfg.vocab_size} tokens but the "
+                f"target has {target.cfg.vocab_size}: the draft model must share the target's tokenizer"
+            )
+        tokenizer = load_tokenizer(cfg.model)
+        if tokenizer is not None and target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
+            raise ValueError("speculative_config.model uses a different tokenizer from the target's")
+        self.model = LlamaModel(model_cfg, weights).to(engine_config.device).eval()
+        self.kv: KVCacheTensors | None = None
+
+    def model_and_cache(self, runner):
+        if self.kv is None:
+            self.kv = KVCacheTensors(
+                self.model.cfg, runner.pool.num_blocks, runner.pool.block_size, self.model.dtype, runner.device
+            )
+        return self.model, self.kv.layers
+
+    @torch.inference_mode()
+    def observe(self, runner, input_ids, positions, meta) -> None:
+        model, kv_layers = self.model_and_cache(runner)
+        model(input_ids, positions, meta, kv_layers)
