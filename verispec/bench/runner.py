@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 from verispec.bench.peers import PEERS, Generation, PeerUnavailable, System, load_system
 from verispec.bench.prompts import Prompt, chat_prompts
+from verispec.bench.spec import format_spec_table, plot_spec, run_sweep, spec_json
 from verispec.bench.report import (
     BUSY_CORES,
     Result,
@@ -32,6 +34,8 @@ from verispec.bench.report import (
 
 # Scenario name -> number of distinct prompts submitted at once.
 SCENARIOS: dict[str, int] = {"single": 1, "batch16": 16, "batch16_logprobs": 16}
+# The speculative sweep (verispec only, its own prompt set): see verispec/bench/spec.py.
+SPEC_SCENARIO = "spec"
 # verispec-only scenarios and the SamplingParams extras they add: the cost of logprobs=20 is
 # read against verispec's own batch16 figure from the same run.
 VERISPEC_ONLY: dict[str, dict[str, int]] = {"batch16_logprobs": {"logprobs": 20}}
@@ -68,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS}; {QUICK_MAX_TOKENS} with --quick)")
     parser.add_argument("--runs", type=int, default=None,
                         help=f"timed runs per figure, median reported (default {DEFAULT_RUNS}; {QUICK_RUNS} with --quick)")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+    parser.add_argument("--scenarios", default=",".join([*SCENARIOS, SPEC_SCENARIO]),
                         help="comma list of scenarios (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for every system (default: torch's default, normally all cores)")
@@ -82,7 +86,7 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
     quick = bool(getattr(args, "quick", False))
     peers = _split(getattr(args, "peers", "hf,llamacpp") or "")
     peers = [] if peers == ["none"] else peers
-    scenarios = _split(getattr(args, "scenarios", None) or ",".join(SCENARIOS))
+    scenarios = _split(getattr(args, "scenarios", None) or ",".join([*SCENARIOS, SPEC_SCENARIO]))
     # None means "not given": --quick changes the defaults but never an explicit value (0 included,
     # which is then rejected below rather than silently replaced).
     max_tokens = getattr(args, "max_tokens", None)
@@ -92,8 +96,8 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
     threads = getattr(args, "threads", None)
     if bad := [p for p in peers if p not in PEERS]:
         raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
-    if bad := [s for s in scenarios if s not in SCENARIOS]:
-        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join(SCENARIOS)}")
+    if bad := [s for s in scenarios if s not in SCENARIOS and s != SPEC_SCENARIO]:
+        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join([*SCENARIOS, SPEC_SCENARIO])}")
     if not scenarios:
         raise ValueError("--scenarios names no scenario")
     if max_tokens < 1 or runs < 1 or (threads is not None and threads < 1):
@@ -192,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     model_path = default_model_path()
     # verispec's loader caches the converted GGUF tokenizer; transformers' own conversion is slow.
     tokenizer = load_tokenizer(model_path)
-    prompts = chat_prompts(tokenizer, max(SCENARIOS[s] for s in cfg.scenarios))
+    plain = [s for s in cfg.scenarios if s in SCENARIOS]
+    prompts = chat_prompts(tokenizer, max([SCENARIOS[s] for s in plain], default=1))
     log(f"model {model_path}; {cfg.max_tokens} tokens, {cfg.runs} run(s), {threads} thread(s), "
         f"scenarios {','.join(cfg.scenarios)}, peers {','.join(cfg.peers) or 'none'}")
 
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     skipped: dict[str, str] = {}
     errors: dict[str, str] = {}
     refs: dict[str, Generation] = {}
-    for key in ["verispec", *cfg.peers]:
+    for key in ["verispec", *cfg.peers] if plain else []:
         label = PEERS[key].label if key in PEERS else key
         log(f"loading {label} ...")
         start = time.perf_counter()
@@ -218,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         log(f"{label} loaded in {time.perf_counter() - start:.1f}s")
         try:
-            for scenario in cfg.scenarios:
+            for scenario in plain:
                 if scenario in VERISPEC_ONLY and key != "verispec":
                     continue
                 results.append(_measure(system, scenario, prompts[: SCENARIOS[scenario]], cfg, refs))
@@ -230,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
             del system
             gc.collect()  # free one model's memory before the next system loads
 
+    spec_rows = []
+    if SPEC_SCENARIO in cfg.scenarios:
+        log("speculative decoding sweep (verispec, batch 1) ...")
+        spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log)
     machine = machine_info(threads)
     config: dict[str, Any] = {
         "model": model_path,
@@ -237,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": cfg.max_tokens,
         "runs": cfg.runs,
         "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
-        "scenarios": {s: SCENARIOS[s] for s in cfg.scenarios},
+        "scenarios": {s: SCENARIOS.get(s, 1) for s in cfg.scenarios},
         "peers": cfg.peers,
         "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
         "verispec_only": VERISPEC_ONLY,
@@ -255,6 +264,15 @@ def run(args: argparse.Namespace) -> int:
     for key, why in {**skipped, **errors}.items():
         print(f"{key}: {why}")
     cfg.out.mkdir(parents=True, exist_ok=True)
+    if spec_rows:
+        table = format_spec_table(spec_rows)
+        print()
+        print(table)
+        (cfg.out / "spec.md").write_text(table + "\n")
+        (cfg.out / "spec.json").write_text(json.dumps({"machine": machine, "rows": spec_json(spec_rows)}, indent=2))
+        plot_spec(cfg.out / "spec.png", spec_rows)
+        if not all(r.identical for r in spec_rows):
+            errors["spec"] = "a speculative run's greedy output differs from the non-speculative one"
     write_json(cfg.out / "bench.json", machine, config, results, skipped, errors)
     # The same table as Markdown, ready to paste into docs/benchmarks.md.
     (cfg.out / "bench.md").write_text(format_table(results, markdown=True) + "\n")
