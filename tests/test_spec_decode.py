@@ -155,7 +155,7 @@ def test_ngram_greedy_equals_non_speculative(tiny_llama, k, batch):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     base = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4).generate(prompts, params, use_tqdm=False)
     spec_llm = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": k})
+                   speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1})
     spec = spec_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
     stats = spec_llm.stats()
@@ -173,7 +173,7 @@ def test_logprobs_under_speculation_equal_non_speculative(tiny_llama, mode):
         SamplingParams(temperature=0, max_tokens=48, logprobs=1, presence_penalty=0.5, frequency_penalty=0.3, ignore_eos=True, logprobs_mode=mode),
     ]
     base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    spec_llm = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
     spec = spec_llm.generate(prompts, params, use_tqdm=False)
     assert spec_llm.stats()["num_accepted_tokens"] > 0
     for a, b in zip(base, spec):
@@ -212,7 +212,7 @@ def exact_two_token_distribution(model, prompt, params) -> dict[tuple[int, int],
     return out
 
 
-NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3}
+NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
 def sample_pairs(path, prompt, params, n, spec=NGRAM3) -> dict[tuple[int, int], int]:
@@ -370,6 +370,25 @@ EXTRACTIVE = (
     "Books due on Friday may be returned on Monday without a late fee. The reading room will reopen "
     "on Saturday at 9 am, and the children's story hour moves to Sunday at 11 am.\n\nQuoted notice:"
 )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [
+    {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 3},
+    {"method": "draft_model", "num_speculative_tokens": 3},  # the bundled model drafting for itself
+], ids=["layer_skip", "draft_model_identical"])
+def test_smollm2_model_drafters_greedy_equal_non_speculative(smollm2_path, spec):
+    spec = dict(spec, model=smollm2_path) if spec["method"] == "draft_model" else spec
+    prompts = [EXTRACTIVE, "Write a short poem about the sea."]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    base = LLM(smollm2_path, max_num_batched_tokens=64).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(smollm2_path, max_num_batched_tokens=64, speculative_config=spec)
+    out = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    stats = spec_llm.stats()
+    assert stats["num_draft_tokens"] > 0
+    if spec["method"] == "draft_model":
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
 
 
 @pytest.mark.slow

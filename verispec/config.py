@@ -79,8 +79,10 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 1  # ngram
-    prompt_lookup_max: int = 3  # ngram
+    # ngram: match lengths tried, longest first. One-token matches propose often and wrongly, and
+    # every rejected draft row costs a verify row; 2..4 measured best here (docs/benchmarks.md).
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     model: str | None = None  # draft_model: checkpoint with the target's tokenizer
     num_layers: int | None = None  # layer_skip: the target's first layers used as the draft
     adaptive_verification: bool = False

@@ -64,8 +64,10 @@ CATEGORIES: dict[str, list[list[dict[str, str]]]] = {
 # Drafter configurations swept (None = no speculation, the reference).
 DRAFTERS: dict[str, dict[str, Any] | None] = {
     "none": None,
-    "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},
+    "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},  # lookup 2..4 (the defaults)
     "ngram k=5": {"method": "ngram", "num_speculative_tokens": 5},
+    "ngram k=3 lookup 1..3": {"method": "ngram", "num_speculative_tokens": 3,
+                              "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     "layer_skip L=15 k=2": {"method": "layer_skip", "num_layers": 15, "num_speculative_tokens": 2},
 }
 QUICK_DRAFTERS = ("none", "ngram k=3")
