@@ -101,3 +101,25 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt):].tolist()
+
+
+def hf_processed(row: torch.Tensor, params, history: list[int]) -> torch.Tensor:
+    """HF's processors in DESIGN.md's order: penalty, temperature, min_p, top_k, top_p."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    scores = row.float()[None].clone()
+    ids = torch.tensor([history], dtype=torch.long)
+    if params.repetition_penalty != 1.0 and history:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    if not params.greedy and params.temperature != 1.0:
+        scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
+    if params.min_p > 0:
+        scores = MinPLogitsWarper(params.min_p)(ids, scores)
+    if params.top_k > 0:
+        scores = TopKLogitsWarper(params.top_k)(ids, scores)
+    if params.top_p < 1.0:
+        scores = TopPLogitsWarper(params.top_p)(ids, scores)
+    return scores[0]

@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers.generation.logits_process import (
-    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
-from conftest import TINY_VOCAB, hf_model, random_prompts
+from conftest import TINY_VOCAB, hf_model, hf_processed, random_prompts
 from verispec import LLM, LogprobsLists, LogprobsTensors, SamplingParams
 from verispec.sample.logprobs import compute_topk_scores
 
@@ -38,23 +34,6 @@ def hf_rows(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     """HF logits for every position of prompt + output, fp32 [L, V]."""
     with torch.no_grad():
         return model(torch.tensor([prompt + output])).logits[0].float()
-
-
-def hf_processed(row: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
-    """HF's processors in DESIGN.md's order: penalty, temperature, min_p, top_k, top_p."""
-    scores = row[None].clone()
-    ids = torch.tensor([history])
-    if params.repetition_penalty != 1.0:
-        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
-    if not params.greedy and params.temperature != 1.0:
-        scores = TemperatureLogitsWarper(params.temperature)(ids, scores)
-    if params.min_p > 0:
-        scores = MinPLogitsWarper(params.min_p)(ids, scores)
-    if params.top_k > 0:
-        scores = TopKLogitsWarper(params.top_k)(ids, scores)
-    if params.top_p < 1.0:
-        scores = TopPLogitsWarper(params.top_p)(ids, scores)
-    return scores[0]
 
 
 def reference_scores(row: torch.Tensor, params: SamplingParams, history: list[int], mode: str) -> torch.Tensor:

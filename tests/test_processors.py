@@ -15,13 +15,11 @@ import math
 import pytest
 import torch
 from transformers.generation.logits_process import (
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
-    TopPLogitsWarper,
 )
 
+from conftest import hf_processed
 from verispec.config import LogprobsMode
 from verispec.sample.logprobs import LSE_CHUNK, compute_topk_scores, streaming_logsumexp
 from verispec.sample.metadata import RowSpec, SamplingMetadata
@@ -64,20 +62,7 @@ def assert_same_masked_close(actual: torch.Tensor, expected: torch.Tensor, tol: 
 # ---------------------------------------------------------------- HF reference
 def hf_reference_row(logits_row: torch.Tensor, row: RowSpec) -> torch.Tensor:
     """One row through transformers' processors, in DESIGN.md section 4 order (stages 5-8)."""
-    p = row.params
-    scores = logits_row.float().clone()[None, :]
-    history = torch.tensor([row.prompt_ids + row.output_ids], dtype=torch.long)
-    if p.repetition_penalty != 1.0 and history.numel():
-        scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(history, scores)
-    if not p.greedy and p.temperature != 1.0:
-        scores = TemperatureLogitsWarper(p.temperature)(history, scores)
-    if p.min_p > 0:
-        scores = MinPLogitsWarper(p.min_p)(history, scores)
-    if p.top_k > 0:
-        scores = TopKLogitsWarper(p.top_k)(history, scores)
-    if p.top_p < 1.0:
-        scores = TopPLogitsWarper(p.top_p)(history, scores)
-    return scores[0]
+    return hf_processed(logits_row, row.params, row.prompt_ids + row.output_ids)
 
 
 def mixed_batch_rows(vocab: int, rng: torch.Generator) -> list[RowSpec]:

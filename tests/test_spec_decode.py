@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import hf_model, make_tiny_checkpoint, random_prompts
+from conftest import hf_model, hf_processed, make_tiny_checkpoint, random_prompts
 from verispec import LLM, SamplingParams
 from verispec.engine.request import RandomStreams
 from verispec.spec_decode import rejection
@@ -194,8 +194,6 @@ def small_vocab_model(tmp_path_factory):
 
 def exact_two_token_distribution(model, prompt, params) -> dict[tuple[int, int], float]:
     """p(t1, t2) from HF logits with the request's processors applied (temperature/top-k/top-p)."""
-    from test_logprobs import hf_processed
-
     def dist(ids):
         with torch.no_grad():
             row = model(torch.tensor([ids])).logits[0, -1].float()
