@@ -43,7 +43,7 @@ class RandomStreams:
             setattr(self, name, gen)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: the scheduler's list lookups must not compare fields
 class Request:
     request_id: str
     prompt: str | None
