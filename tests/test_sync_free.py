@@ -41,17 +41,20 @@ def host_reads_forbidden():
 
 
 def guard(runner, monkeypatch):
-    """Wraps the runner's device phase (forward + sampling/verification/scoring)."""
+    """Wraps the runner's device phase (drafting, forward, sampling/verification/scoring)."""
     calls = {"n": 0}
-    for attr in ("_sample", "_score_prompts"):
-        original = getattr(runner, attr)
+    targets = [(runner, "_sample"), (runner, "_score_prompts")]
+    if runner.drafter is not None:
+        targets += [(runner.drafter, "draft"), (runner.drafter, "observe")]
+    for obj, attr in targets:
+        original = getattr(obj, attr)
 
         def wrapped(*args, _original=original, **kwargs):
             calls["n"] += 1
             with host_reads_forbidden():
                 return _original(*args, **kwargs)
 
-        monkeypatch.setattr(runner, attr, wrapped)
+        monkeypatch.setattr(obj, attr, wrapped)
     model = runner.model
     original_forward = model.forward
 
@@ -63,9 +66,19 @@ def guard(runner, monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}],
-                         ids=["plain", "ngram"])
-def test_step_reads_nothing_on_the_host_before_the_copy(tiny_llama, monkeypatch, spec):
+SPECS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_step_reads_nothing_on_the_host_before_the_copy(tiny_llama, monkeypatch, name):
+    spec = SPECS[name]
+    if name == "draft_model":
+        spec = dict(spec, model=tiny_llama)
     llm = LLM(tiny_llama, max_num_batched_tokens=16, block_size=4, speculative_config=spec)
     calls = guard(llm.engine.runner, monkeypatch)
     prompts = random_prompts(4, 5, 30, seed=80)
@@ -73,7 +86,9 @@ def test_step_reads_nothing_on_the_host_before_the_copy(tiny_llama, monkeypatch,
         SamplingParams(temperature=0, max_tokens=30, logprobs=2, prompt_logprobs=1, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=30, logprobs=3,
                        logprobs_mode="processed_logprobs", ignore_eos=True),
-        SamplingParams(temperature=1.0, min_p=0.05, repetition_penalty=1.2, seed=2, max_tokens=30, ignore_eos=True),
+        # Penalties read draft values on the host in model drafters (documented); elsewhere they're free.
+        SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=30, ignore_eos=True,
+                       **({"repetition_penalty": 1.2} if name in ("plain", "ngram") else {"min_tokens": 3})),
         SamplingParams(temperature=0, max_tokens=30, logprob_token_ids=[5, 6, 7], ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -198,7 +198,7 @@ class LLMEngine:
                 # The cache now holds the accepted drafts; slots of rejected ones go back.
                 req.num_computed_tokens += accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
-            req.spec_tokens, req.draft_probs = [], None
+            req.clear_drafts()
             prompt_rows = result.prompt_logprobs.get(req.request_id)
             if prompt_rows is not None:
                 self.output.append_prompt_logprobs(req, *prompt_rows)

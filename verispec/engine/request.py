@@ -70,6 +70,12 @@ class Request:
     # Draft tokens proposed for the next step (verified, never trusted); drafter's q rows if any.
     spec_tokens: list[int] = field(default_factory=list)
     draft_probs: Any = None
+    # Model drafters keep the draft values on the device ([k] int64); spec_tokens may then hold
+    # placeholders of the right length.
+    draft_tensor: Any = None
+
+    def clear_drafts(self) -> None:
+        self.spec_tokens, self.draft_probs, self.draft_tensor = [], None, None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -49,6 +49,8 @@ class FlatBatch:
     sample_reqs: list[Request]
     drafts: list[list[int]]  # per sampled request: its draft tokens (empty: plain sampling)
     draft_probs: list[torch.Tensor | None]  # per sampled request: q rows [k, V] (None: one-hot)
+    draft_tensors: list[torch.Tensor | None]  # per sampled request: device draft values, if any
+    draft_fill: list[tuple[int, torch.Tensor]]  # (first flat row, device drafts) to write into input_ids
     # (request, first flat row, first prompt position, end position) of prompt rows to score
     prompt_jobs: list[tuple[Request, int, int, int]]
 
@@ -117,7 +119,7 @@ class ModelRunner:
         self.drafter = None  # a model-based drafter drafts inside the step, before the verify forward
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
-        batch = FlatBatch([], [], [], [], [], [], [], [])
+        batch = FlatBatch([], [], [], [], [], [], [], [], [], [])
         for s in sched.scheduled:
             req, n, spec = s.request, s.num_new_tokens, s.spec_tokens
             start, done = len(batch.input_ids), req.num_computed_tokens
@@ -132,6 +134,9 @@ class ModelRunner:
                 batch.sample_reqs.append(req)
                 batch.drafts.append(spec)
                 batch.draft_probs.append(req.draft_probs if spec else None)
+                batch.draft_tensors.append(req.draft_tensor if spec else None)
+            if spec and req.draft_tensor is not None:
+                batch.draft_fill.append((start + n, req.draft_tensor))
             if req.prompt_logprobs is not None:
                 # Rows at positions [lo, hi) predict prompt tokens lo+1 .. hi. Rows scored before a
                 # preemption are not scored again when the prompt is recomputed.
@@ -163,6 +168,8 @@ class ModelRunner:
         dev = self.device
         meta = build_attention_metadata(batch.spans, self.pool.block_size, dev, self.model.dtype)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+        for row, drafts in batch.draft_fill:  # device-side drafts replace their placeholders
+            input_ids[row : row + drafts.shape[0]] = drafts
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, positions, meta, self.kv.layers)
         if self.drafter is not None:
@@ -220,6 +227,10 @@ class ModelRunner:
                 dest.extend(i * (k + 1) + j for j in range(len(spec) + 1))
                 padded_drafts.append(spec + [0] * (k - len(spec)))
             dest_t = torch.tensor(dest, dtype=torch.long, device=dev)
+            drafts_t = torch.tensor(padded_drafts, dtype=torch.long, device=dev)
+            for i, t in enumerate(batch.draft_tensors):
+                if t is not None:
+                    drafts_t[i, : t.shape[0]] = t
             # Padding rows hold zeros (a uniform row); verification never reads them.
             padded = processed.new_zeros(num_reqs * (k + 1), processed.shape[1]).index_copy_(0, dest_t, processed)
             greedy = [r.params.greedy for r in batch.sample_reqs]
@@ -233,7 +244,7 @@ class ModelRunner:
                         q[i, : rows_q.shape[0]] = rows_q
             out = verify(
                 padded.view(num_reqs, k + 1, -1),
-                torch.tensor(padded_drafts, dtype=torch.long, device=dev),
+                drafts_t,
                 torch.tensor([len(d) for d in batch.drafts], dtype=torch.long, device=dev),
                 q,
                 greedy,

@@ -101,7 +101,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.request_id)
-        req.spec_tokens, req.draft_probs = [], None
+        req.clear_drafts()
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

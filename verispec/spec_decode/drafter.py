@@ -19,6 +19,15 @@ from verispec.sample.sampler import sample
 from verispec.spec_decode.ngram import propose_ngram
 
 
+def needs_token_values(req: Request) -> bool:
+    """Whether the request's processors read the values of earlier tokens (not just their count)."""
+    p = req.params
+    return bool(
+        p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        or p._bad_words_token_ids
+    )
+
+
 def draft_room(req: Request, k: int, max_model_len: int) -> int:
     """Drafts a decoding request may carry: never more than it could still emit."""
     if req.num_tokens - req.num_computed_tokens != 1:
@@ -71,6 +80,7 @@ class ModelDrafter:
         pool, dev = runner.pool, runner.device
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        device_drafts: list[list[torch.Tensor]] = [[] for _ in jobs]
         last = torch.tensor([s.request.token_ids[s.request.num_computed_tokens] for s in jobs], device=dev)
         for j in range(max(len(s.spec_tokens) for s in jobs)):
             # Step j feeds each request's newest token (the pending one, then its drafts) at its
@@ -91,14 +101,18 @@ class ModelDrafter:
             tokens = sample(processed, md)
             q = processed.softmax(dim=-1)
             last = last.index_copy(0, index, tokens)
-            # A host read per draft step: the next step's penalty histories (and the verify batch)
-            # are host lists. On CUDA this is k extra syncs per step; see docs/design.md.
-            for row, (i, tok) in enumerate(zip(active, tokens.tolist())):
-                drafts[i].append(tok)
+            # Drafts stay on the device. Only a request whose processors read token values
+            # (penalties, bad words) needs them on the host for the next rows' histories: that
+            # costs one read per draft step, and only then. Elsewhere a placeholder keeps the count.
+            values = tokens.tolist() if any(needs_token_values(jobs[i].request) for i in active) else None
+            for row, i in enumerate(active):
+                drafts[i].append(values[row] if values is not None else 0)
                 probs[i].append(q[row])
-        for s, d, q in zip(jobs, drafts, probs):
+                device_drafts[i].append(tokens[row])
+        for s, d, q, t in zip(jobs, drafts, probs, device_drafts):
             s.spec_tokens = d
             s.request.draft_probs = torch.stack(q)
+            s.request.draft_tensor = torch.stack(t)
 
 
 def make_drafter(cfg: SpeculativeConfig, target, target_tokenizer, engine_config):
