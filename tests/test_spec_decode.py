@@ -132,6 +132,26 @@ def test_verifier_output_distribution_equals_p(with_q):
     assert passes(counts, {i: p[i].item() for i in range(vocab)}, n)
 
 
+def run_with_and_without(path, prompts, params, spec, **engine_kw):
+    """Runs the same batch without and with speculation; asserts identical token ids and returns
+    (non-speculative outputs, speculative outputs, the speculative engine's stats)."""
+    base = LLM(path, **engine_kw).generate(prompts, params, use_tqdm=False)
+    spec_llm = LLM(path, speculative_config=spec, **engine_kw)
+    out = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    return base, out, spec_llm.stats()
+
+
+def assert_same_logprobs(base, spec) -> None:
+    """Every emitted token's dict: same ids, logprobs within 1e-4, identical ranks."""
+    for a, b in zip(base, spec):
+        for ea, eb, tok in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids):
+            assert tok in eb and ea.keys() == eb.keys()
+            for t in ea:
+                assert abs(ea[t].logprob - eb[t].logprob) < 1e-4 or ea[t].logprob == eb[t].logprob
+                assert ea[t].rank == eb[t].rank
+
+
 # ------------------------------------------------------------------------------ the engine
 def test_ngram_proposals():
     assert propose_ngram([1, 2, 3, 4, 1, 2], 2, 1, 3) == [3, 4]
@@ -153,12 +173,8 @@ def test_ngram_greedy_equals_non_speculative(tiny_llama, k, batch):
     prompts = repetitive_prompts(batch, seed=20 + k)
     # Long enough for greedy decoding of a random model to fall into loops prompt lookup can see.
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    base = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4).generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4,
-                   speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1})
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
-    stats = spec_llm.stats()
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
+    _, _, stats = run_with_and_without(tiny_llama, prompts, params, spec, max_num_batched_tokens=24, block_size=4)
     assert stats["num_draft_tokens"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
@@ -172,18 +188,10 @@ def test_logprobs_under_speculation_equal_non_speculative(tiny_llama, mode):
         SamplingParams(temperature=0, max_tokens=48, logprobs=4, top_k=5, ignore_eos=True, logprobs_mode=mode),
         SamplingParams(temperature=0, max_tokens=48, logprobs=1, presence_penalty=0.5, frequency_penalty=0.3, ignore_eos=True, logprobs_mode=mode),
     ]
-    base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
-    assert spec_llm.stats()["num_accepted_tokens"] > 0
-    for a, b in zip(base, spec):
-        ca, cb = a.outputs[0], b.outputs[0]
-        assert ca.token_ids == cb.token_ids
-        for ea, eb, tok in zip(ca.logprobs, cb.logprobs, cb.token_ids):
-            assert tok in eb and ea.keys() == eb.keys()
-            for t in ea:
-                assert abs(ea[t].logprob - eb[t].logprob) < 1e-4 or ea[t].logprob == eb[t].logprob
-                assert ea[t].rank == eb[t].rank
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    base, spec, stats = run_with_and_without(tiny_llama, prompts, params, spec_cfg)
+    assert stats["num_accepted_tokens"] > 0
+    assert_same_logprobs(base, spec)
 
 
 @pytest.fixture(scope="module")
@@ -277,12 +285,8 @@ def test_biased_verifier_fails_the_distribution_test(small_vocab_model, monkeypa
 def test_layer_skip_greedy_equals_non_speculative(tiny_llama, k, batch, layers):
     prompts = random_prompts(batch, 5, 40, seed=50 + k)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    base = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4).generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4,
-                   speculative_config={"method": "layer_skip", "num_layers": layers, "num_speculative_tokens": k})
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
-    stats = spec_llm.stats()
+    spec = {"method": "layer_skip", "num_layers": layers, "num_speculative_tokens": k}
+    _, _, stats = run_with_and_without(tiny_llama, prompts, params, spec, max_num_batched_tokens=24, block_size=4)
     assert stats["num_draft_tokens"] > 0
     if layers == 2:  # the draft is the whole target: every draft is accepted
         assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
@@ -293,15 +297,10 @@ def test_layer_skip_logprobs_equal_non_speculative(tiny_llama):
     prompts = random_prompts(4, 5, 30, seed=60)
     params = [SamplingParams(temperature=0, max_tokens=16, logprobs=3, logprobs_mode=m, repetition_penalty=1.1, ignore_eos=True)
               for m in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")]
-    base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(tiny_llama, speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3})
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
-    assert spec_llm.stats()["num_accepted_tokens"] > 0
-    for a, b in zip(base, spec):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert ea.keys() == eb.keys()
-            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 and ea[t].rank == eb[t].rank for t in ea)
+    spec_cfg = {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3}
+    base, spec, stats = run_with_and_without(tiny_llama, prompts, params, spec_cfg)
+    assert stats["num_accepted_tokens"] > 0
+    assert_same_logprobs(base, spec)
 
 
 @pytest.fixture(scope="module")
@@ -315,13 +314,9 @@ def tiny_draft(tmp_path_factory):
 def test_draft_model_greedy_equals_non_speculative(tiny_llama, tiny_draft, k, batch, draft):
     prompts = random_prompts(batch, 5, 40, seed=70 + k)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    base = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4).generate(prompts, params, use_tqdm=False)
     model = tiny_draft if draft == "other" else tiny_llama
-    spec_llm = LLM(tiny_llama, max_num_batched_tokens=24, block_size=4,
-                   speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": k})
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
-    stats = spec_llm.stats()
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+    _, _, stats = run_with_and_without(tiny_llama, prompts, params, spec, max_num_batched_tokens=24, block_size=4)
     assert stats["num_draft_tokens"] > 0
     if draft == "same":  # the draft is the target: every draft is accepted
         assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
@@ -379,11 +374,7 @@ def test_smollm2_model_drafters_greedy_equal_non_speculative(smollm2_path, spec)
     spec = dict(spec, model=smollm2_path) if spec["method"] == "draft_model" else spec
     prompts = [EXTRACTIVE, "Write a short poem about the sea."]
     params = SamplingParams(temperature=0, max_tokens=24)
-    base = LLM(smollm2_path, max_num_batched_tokens=64).generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(smollm2_path, max_num_batched_tokens=64, speculative_config=spec)
-    out = spec_llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
-    stats = spec_llm.stats()
+    _, _, stats = run_with_and_without(smollm2_path, prompts, params, spec, max_num_batched_tokens=64)
     assert stats["num_draft_tokens"] > 0
     if spec["method"] == "draft_model":
         assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
@@ -393,13 +384,7 @@ def test_smollm2_model_drafters_greedy_equal_non_speculative(smollm2_path, spec)
 def test_smollm2_ngram_greedy_and_logprobs_equal_non_speculative(smollm2_path):
     prompts = [EXTRACTIVE, EXTRACTIVE.replace("Elm", "Oak"), "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):"]
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, logprobs_mode="processed_logprobs")
-    base = LLM(smollm2_path, max_num_batched_tokens=64).generate(prompts, params, use_tqdm=False)
-    spec_llm = LLM(smollm2_path, max_num_batched_tokens=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    spec = spec_llm.generate(prompts, params, use_tqdm=False)
-    stats = spec_llm.stats()
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": 3}
+    base, spec, stats = run_with_and_without(smollm2_path, prompts, params, spec_cfg, max_num_batched_tokens=64)
     assert stats["num_accepted_tokens"] > 10 and stats["mean_acceptance_length"] > 1.3
-    for a, b in zip(base, spec):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert ea.keys() == eb.keys()
-            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 and ea[t].rank == eb[t].rank for t in ea)
+    assert_same_logprobs(base, spec)
