@@ -143,6 +143,25 @@ class EngineConfig:
     num_threads: int | None = None
     speculative: SpeculativeConfig | None = None
 
+    @classmethod
+    def create(
+        cls,
+        *,
+        dtype: "str | torch.dtype" = "float32",
+        device: "str | torch.device" = "auto",
+        logprobs_mode: "LogprobsMode | str" = LogprobsMode.RAW_LOGPROBS,
+        speculative_config: "SpeculativeConfig | dict | None" = None,
+        **options,
+    ) -> "EngineConfig":
+        """From user-facing values (strings, dicts), as `LLM(...)` and `verispec serve` take them."""
+        return cls(
+            dtype=parse_dtype(dtype),
+            device=parse_device(device),
+            logprobs_mode=LogprobsMode.parse(logprobs_mode),
+            speculative=SpeculativeConfig.parse(speculative_config),
+            **options,
+        )
+
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)

@@ -70,6 +70,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._arrival = itertools.count()
+        self.num_steps = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens if config.speculative else 0)
         self.drafter = None
@@ -179,6 +180,10 @@ class LLMEngine:
             self.scheduler.finish(req)
             self._child_parent.pop(req.request_id, None)
 
+    def request_ids(self) -> list[str]:
+        """The user-level ids of every request still held by the engine."""
+        return list(self._parents)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -187,6 +192,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self.num_steps += 1
         result = self.runner.execute(sched)
         touched: dict[str, None] = {}
         for s in sched.scheduled:

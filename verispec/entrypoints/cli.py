@@ -1,4 +1,4 @@
-"""verispec command line: `verispec generate` and `verispec bench`."""
+"""verispec command line: `verispec generate`, `verispec serve` and `verispec bench`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,42 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (k)")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative-method draft_model")
     p.add_argument("--draft-layers", type=int, default=None, help="target layers used by layer_skip")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(overrides the --speculative-* flags)")
+
+
+def _speculative_config(args: argparse.Namespace) -> dict | None:
+    if args.speculative_config:
+        try:
+            spec = json.loads(args.speculative_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        return spec
+    if args.speculative_method:
+        return {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+                "model": args.draft_model, "num_layers": args.draft_layers}
+    return None
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VERISPEC_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the file name)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache pool size in bytes")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine core")
+    p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
+    p.add_argument("--max-pending-requests", type=int, default=256,
+                   help="requests admitted at once; more get 503 with Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine core in its own process)")
+    _add_engine_args(serve)
+    _add_server_args(serve)
+
     bench = sub.add_parser("bench", help="side-by-side benchmark against HF transformers and llama.cpp")
     from verispec.bench.runner import add_arguments
 
@@ -61,13 +101,10 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
-    spec = None
-    if args.speculative_method:
-        spec = {"method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
-                "model": args.draft_model, "num_layers": args.draft_layers}
     llm = LLM(
         args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs, speculative_config=spec,
+        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
+        speculative_config=_speculative_config(args),
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
@@ -91,12 +128,36 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from verispec.config import EngineConfig
+    from verispec.entrypoints.openai.api_server import ServerConfig, run_server
+
+    engine = EngineConfig.create(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        seed=args.seed if args.seed is not None else 0, logprobs_mode=args.logprobs_mode,
+        max_logprobs=args.max_logprobs, num_threads=args.num_threads,
+        speculative_config=_speculative_config(args),
+    )
+    engine.validate()
+    config = ServerConfig(
+        engine=engine, host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, max_n=args.max_n,
+        max_pending_requests=args.max_pending_requests, max_request_bytes=args.max_request_bytes,
+    )
+    run_server(config, log_level=args.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "bench":
             from verispec.bench.runner import run
 

@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from verispec.config import EngineConfig, LogprobsMode, SpeculativeConfig, parse_device, parse_dtype
+from verispec.config import EngineConfig, LogprobsMode, SpeculativeConfig
 from verispec.engine.llm_engine import LLMEngine
+from verispec.entrypoints.chat_utils import chat_prompt_ids
 from verispec.outputs import RequestOutput
 from verispec.sampling_params import SamplingParams
 
@@ -34,10 +35,10 @@ class LLM:
         num_threads: int | None = None,
         speculative_config: "SpeculativeConfig | dict | None" = None,
     ):
-        config = EngineConfig(
+        config = EngineConfig.create(
             model=model,
-            dtype=parse_dtype(dtype),
-            device=parse_device(device),
+            dtype=dtype,
+            device=device,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -45,10 +46,10 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             kv_cache_bytes=kv_cache_bytes,
             seed=seed,
-            logprobs_mode=LogprobsMode.parse(logprobs_mode),
+            logprobs_mode=logprobs_mode,
             max_logprobs=max_logprobs,
             num_threads=num_threads,
-            speculative=SpeculativeConfig.parse(speculative_config),
+            speculative_config=speculative_config,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -138,16 +139,9 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conv in conversations:
-            ids = tok.apply_chat_template(
-                conv, tokenize=True, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts = [
+            {"prompt_token_ids": chat_prompt_ids(self.engine.tokenizer, conv, add_generation_prompt, chat_template)}
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,234 @@
+"""The engine core process: runs `LLMEngine` in a loop, fed and drained over pyzmq.
+
+The server's HTTP event loop never waits on a model step: it pushes `AddRequest` / `AbortRequests`
+to this process and pulls `CoreOutputs` (deltas plus engine stats) back. Detokenization and stop
+strings stay here, next to the engine, so a request that hits a stop string stops in the same step
+instead of one step later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass, fields
+
+import msgspec
+import zmq
+
+from verispec.config import EngineConfig
+from verispec.engine.core_protocol import (
+    AbortRequests, AddRequest, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady, EngineStats,
+    LogprobRow, RequestDelta, Shutdown,
+)
+from verispec.outputs import Logprob, RequestOutput
+from verispec.sampling_params import SamplingParams
+
+logger = logging.getLogger("verispec.core")
+
+# How long an idle core blocks on its input before checking that the frontend is still alive.
+_IDLE_POLL_MS = 500
+
+
+def params_to_wire(params: SamplingParams) -> dict:
+    """SamplingParams' public fields as plain data (the engine-derived ones stay behind)."""
+    out = {}
+    for f in fields(params):
+        if f.name.startswith("_"):
+            continue
+        value = getattr(params, f.name)
+        out[f.name] = value.value if hasattr(value, "value") else value
+    return out
+
+
+def logprob_row(entry: dict[int, Logprob] | None) -> LogprobRow | None:
+    if entry is None:
+        return None
+    items = list(entry.items())
+    return LogprobRow(
+        token_ids=[t for t, _ in items],
+        logprobs=[lp.logprob for _, lp in items],
+        ranks=[lp.rank for _, lp in items],
+        tokens=[lp.decoded_token for _, lp in items],
+    )
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How much of each completion has already been sent."""
+
+    tokens: list[int]
+    chars: list[int]
+    finished: list[bool]
+    prompt_sent: bool = False
+
+
+class DeltaTracker:
+    """Turns the engine's cumulative RequestOutputs into deltas."""
+
+    def __init__(self) -> None:
+        self._progress: dict[str, _Progress] = {}
+        self._hold: dict[str, int] = {}
+
+    def start(self, request_id: str, params: SamplingParams) -> None:
+        n = params.n
+        self._progress[request_id] = _Progress([0] * n, [0] * n, [False] * n)
+        # Text that could still turn out to be the start of a stop string is held back while the
+        # request runs: a stop string must never reach a streaming client.
+        self._hold[request_id] = max((len(s) for s in params.stop or ()), default=1) - 1
+
+    def forget(self, request_id: str) -> None:
+        self._progress.pop(request_id, None)
+        self._hold.pop(request_id, None)
+
+    def delta(self, out: RequestOutput) -> RequestDelta:
+        prog = self._progress[out.request_id]
+        hold = self._hold[out.request_id]
+        completions = []
+        for comp in out.outputs:
+            i = comp.index
+            if prog.finished[i]:
+                continue
+            done = comp.finish_reason is not None
+            sent = prog.tokens[i]
+            safe = len(comp.text) if done else max(prog.chars[i], len(comp.text) - hold)
+            new_ids = comp.token_ids[sent:]
+            if not new_ids and not done and safe == prog.chars[i]:
+                continue
+            rows = None
+            if comp.logprobs is not None:
+                rows = [logprob_row(e) for e in comp.logprobs[sent : len(comp.token_ids)]]
+            completions.append(
+                CompletionDelta(i, new_ids, comp.text[prog.chars[i] : safe], rows, comp.finish_reason, comp.stop_reason)
+            )
+            prog.tokens[i] = len(comp.token_ids)
+            prog.chars[i] = max(prog.chars[i], safe)
+            prog.finished[i] = done
+        prompt = None
+        if not prog.prompt_sent and out.prompt_logprobs is not None:
+            prompt = [logprob_row(e) for e in out.prompt_logprobs]
+        prog.prompt_sent = True
+        if out.finished:
+            self.forget(out.request_id)
+        return RequestDelta(out.request_id, completions, out.finished, prompt)
+
+
+def engine_stats(engine) -> EngineStats:
+    m = engine.spec_metrics
+    return EngineStats(
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        kv_blocks_total=engine.pool.num_blocks,
+        kv_blocks_free=engine.pool.num_free_blocks,
+        num_preemptions=engine.scheduler.num_preemptions,
+        num_steps=engine.num_steps,
+        num_drafts=m.num_drafts,
+        num_draft_tokens=m.num_draft_tokens,
+        num_accepted_tokens=m.num_accepted_tokens,
+        accepted_per_position=list(m.accepted_per_position),
+    )
+
+
+class EngineCore:
+    """The loop inside the core process. Separate from the process entry point so tests can
+    drive it in-process."""
+
+    def __init__(self, engine, in_sock: zmq.Socket, out_sock: zmq.Socket):
+        self.engine = engine
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.tracker = DeltaTracker()
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.encoder = msgspec.msgpack.Encoder()
+        self._parent_pid = os.getppid()
+
+    def send(self, deltas: list[RequestDelta]) -> None:
+        msg = CoreOutputs(deltas, engine_stats(self.engine))
+        self.out_sock.send(self.encoder.encode(msg), copy=False)
+
+    def handle(self, msg) -> tuple[list[RequestDelta], bool]:
+        """Applies one input; returns refusals to send and whether to keep running."""
+        if isinstance(msg, AddRequest):
+            try:
+                params = SamplingParams(**msg.params)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+            except (ValueError, TypeError) as exc:
+                return [RequestDelta(msg.request_id, [], True, error=str(exc), error_kind="invalid")], True
+            self.tracker.start(msg.request_id, params)
+            return [], True
+        if isinstance(msg, AbortRequests):
+            for rid in msg.request_ids:
+                self.engine.abort_request(rid)
+                self.tracker.forget(rid)
+            return [], True
+        return [], not isinstance(msg, Shutdown)
+
+    def run(self) -> None:
+        running = True
+        while running:
+            busy = self.engine.has_unfinished_requests()
+            deltas: list[RequestDelta] = []
+            touched = False
+            if not busy and not self.in_sock.poll(_IDLE_POLL_MS):
+                if os.getppid() != self._parent_pid:  # the frontend is gone: so is our purpose
+                    return
+                continue
+            while running and self.in_sock.poll(0):
+                refused, running = self.handle(self.decoder.decode(self.in_sock.recv()))
+                deltas.extend(refused)
+                touched = True
+            if running and self.engine.has_unfinished_requests():
+                deltas.extend(self.step())
+                touched = True
+            if touched:
+                self.send(deltas)
+
+    def step(self) -> list[RequestDelta]:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
+            logger.error("engine step failed:\n%s", traceback.format_exc())
+            return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+        return [self.tracker.delta(out) for out in outputs]
+
+    def _fail_all(self, message: str) -> list[RequestDelta]:
+        failed = []
+        for rid in list(self.engine.request_ids()):
+            self.engine.abort_request(rid)
+            self.tracker.forget(rid)
+            failed.append(RequestDelta(rid, [], True, error=message, error_kind="internal"))
+        return failed
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the core process."""
+    from verispec.engine.llm_engine import LLMEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        engine = LLMEngine(config)
+    except Exception as exc:  # noqa: BLE001 - reported to the frontend, which exits with it
+        out_sock.send(encoder.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
+        out_sock.close(linger=2000)
+        ctx.term()
+        return
+    ready = CoreReady(
+        pid=os.getpid(),
+        vocab_size=engine.vocab_size,
+        max_model_len=engine.max_model_len,
+        max_logprobs=config.max_logprobs,
+        stats=engine_stats(engine),
+    )
+    out_sock.send(encoder.encode(ready))
+    try:
+        EngineCore(engine, in_sock, out_sock).run()
+    finally:
+        in_sock.close(linger=0)
+        out_sock.close(linger=500)
+        ctx.term()

@@ -1,0 +1,175 @@
+"""The frontend's handle on the engine-core process (asyncio + pyzmq).
+
+One background task pulls `CoreOutputs` and routes each `RequestDelta` to the queue of its request;
+a watchdog task notices a dead core and fails every waiting request instead of letting it hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from verispec.config import EngineConfig
+from verispec.engine.core import params_to_wire, run_engine_core
+from verispec.engine.core_protocol import (
+    AbortRequests, AddRequest, CoreFailed, CoreMessage, CoreOutputs, CoreReady, EngineStats, RequestDelta, Shutdown,
+)
+from verispec.sampling_params import SamplingParams
+
+logger = logging.getLogger("verispec.client")
+
+_WATCHDOG_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; requests fail fast with 503."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine-core process could not load the model."""
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.stats = EngineStats()
+        self.ready: CoreReady | None = None
+        self.dead = False
+        self.dead_reason = ""
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._tmp = Path(tempfile.mkdtemp(prefix="verispec-"))
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self._stats_listeners: list = []
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def core_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self, timeout_s: float = 900.0) -> None:
+        in_addr = f"ipc://{self._tmp}/input.sock"
+        out_addr = f"ipc://{self._tmp}/output.sock"
+        self._in.bind(in_addr)
+        self._out.bind(out_addr)
+        # spawn, not fork: a forked copy of a process that already touched torch threads or an
+        # event loop is not safe.
+        ctx = multiprocessing.get_context("spawn")
+        self._proc = ctx.Process(
+            target=run_engine_core, args=(self.config, in_addr, out_addr), name="verispec-core", daemon=True
+        )
+        self._proc.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self._out.poll(200):
+                msg = self._decoder.decode(await self._out.recv())
+                if isinstance(msg, CoreFailed):
+                    raise EngineStartError(msg.message)
+                if isinstance(msg, CoreReady):
+                    self.ready = msg
+                    self.stats = msg.stats
+                    break
+            if not self._proc.is_alive():
+                raise EngineStartError(f"the engine core exited with code {self._proc.exitcode} while loading")
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"the engine core did not start within {timeout_s:.0f} s")
+        self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watchdog())]
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                await self._in.send(self._encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(self._proc.join, 5)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._in.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def add_stats_listener(self, fn) -> None:
+        self._stats_listeners.append(fn)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        """Yields the request's deltas until it finishes. Leaving early (a disconnect, a cancelled
+        task) aborts it in the core, which frees its KV blocks."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            await self._in.send(self._encoder.encode(AddRequest(request_id, prompt_token_ids, params_to_wire(params))))
+            while True:
+                item = await queue.get()
+                if isinstance(item, EngineDeadError):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort([request_id])
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Not a coroutine on purpose: it runs in the `finally` of a cancelled request, where any
+        await would be cancelled again. pyzmq sends at once when the socket can take it."""
+        if self.dead or not request_ids:
+            return
+        try:
+            self._in.send(self._encoder.encode(AbortRequests(list(request_ids))))
+        except zmq.ZMQError:  # the socket is closing at shutdown
+            pass
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ------------------------------------------------------------------ background tasks
+    async def _output_loop(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._out.recv())
+            if not isinstance(msg, CoreOutputs):
+                continue
+            for delta in msg.deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:  # a request aborted by its client may still emit once
+                    queue.put_nowait(delta)
+            self.stats = msg.stats
+            for fn in self._stats_listeners:
+                fn(msg.stats)
+
+    async def _watchdog(self) -> None:
+        while self._proc.is_alive():
+            await asyncio.sleep(_WATCHDOG_S)
+        self.dead = True
+        self.dead_reason = f"the engine core process exited (code {self._proc.exitcode})"
+        logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._queues))
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(self.dead_reason))

@@ -1,0 +1,102 @@
+"""What crosses between the server frontend and the engine-core process: msgspec Structs over pyzmq.
+
+Inputs are one tagged union (add / abort / shutdown). Outputs carry *deltas*: only the tokens, text
+and logprobs that are new since the last message, so a long generation costs O(n) on the wire.
+
+msgspec decodes a union of a custom type only with None, so every optional part is `X | None` and a
+logprob row is three parallel lists instead of a list of Logprob objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+# ----------------------------------------------------------------------------------- to the core
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    # SamplingParams' public fields, already validated by the frontend; the core rebuilds and
+    # re-validates them (SamplingParams.__post_init__), so nothing unchecked reaches the engine.
+    params: dict[str, Any]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+CoreInput = AddRequest | AbortRequests | Shutdown
+
+
+# --------------------------------------------------------------------------------- from the core
+class LogprobRow(msgspec.Struct, array_like=True):
+    """One position's logprobs: the position's own token first, then the alternatives.
+    Floats are the engine's float32 values widened exactly to float64."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int | None]
+    tokens: list[str | None]
+
+
+class CompletionDelta(msgspec.Struct, array_like=True):
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[LogprobRow] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool
+    # Sent once, with the request's first delta; entry 0 is None (no logprob for the first token).
+    prompt_logprobs: list[LogprobRow | None] | None = None
+    # A request the core refused (bad params) or that failed inside the engine.
+    error: str | None = None
+    error_kind: str | None = None  # "invalid" (the client's fault) or "internal"
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = msgspec.field(default_factory=list)
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    deltas: list[RequestDelta]
+    stats: EngineStats
+
+
+class CoreReady(msgspec.Struct, tag="ready"):
+    """The core's first message: what the frontend needs to validate requests without a round trip."""
+
+    pid: int
+    vocab_size: int
+    max_model_len: int
+    max_logprobs: int
+    stats: EngineStats
+
+
+class CoreFailed(msgspec.Struct, tag="failed"):
+    """The core could not start (bad model path, out of memory ...)."""
+
+    message: str
+
+
+CoreMessage = CoreOutputs | CoreReady | CoreFailed

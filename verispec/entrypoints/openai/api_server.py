@@ -1,0 +1,239 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an engine-core process.
+
+`verispec serve` builds a `ServerConfig`, and `build_app` turns it into a FastAPI app whose lifespan
+starts the core process and loads the tokenizer. Every error leaves in the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`; invalid input is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from verispec.config import EngineConfig
+from verispec.engine.core_client import AsyncEngineClient
+from verispec.entrypoints.openai.limits import BodySizeLimit
+from verispec.entrypoints.openai.metrics import ServerMetrics
+from verispec.entrypoints.openai.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    DetokenizeResponse, ErrorInfo, ErrorResponse, HealthResponse, ModelCard, ModelList, TokenizeRequest,
+    TokenizeResponse, TokenizerInfoResponse,
+)
+from verispec.entrypoints.openai.serving import RequestError, ServingContext, until_disconnect
+from verispec.entrypoints.openai.serving_chat import create_chat, stream_chat
+from verispec.entrypoints.openai.serving_completion import create_completion, stream_completion
+from verispec.models.default import DEFAULT_MODEL_FILE
+
+logger = logging.getLogger("verispec.server")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_n: int = 16
+    # Requests admitted but not finished; beyond this the server answers 503 with Retry-After.
+    max_pending_requests: int = 256
+    max_request_bytes: int = 8 << 20
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        path = self.engine.model or DEFAULT_MODEL_FILE
+        name = Path(path).name
+        # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+        return name.split(".")[0] if name.endswith(".gguf") else name
+
+
+def _error(status: int, message: str, param: str | None = None, type_: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    exc = RequestError(message, param, status, type_)
+    body = ErrorResponse(error=ErrorInfo(message=message, type=exc.type, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.ctx
+
+
+def _admit(ctx: ServingContext, config: ServerConfig, num_requests: int) -> None:
+    if ctx.client.dead:
+        raise RequestError(f"the engine is not running: {ctx.client.dead_reason}", status=503,
+                           headers={"Retry-After": "30"})
+    if ctx.client.num_in_flight + num_requests > config.max_pending_requests:
+        raise RequestError(
+            f"the server is at its limit of {config.max_pending_requests} pending requests; retry shortly",
+            status=503, headers={"Retry-After": "1"},
+        )
+
+
+def build_app(config: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics(config.model_name())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        from verispec.models.default import default_model_path
+        from verispec.models.loader import load_tokenizer
+
+        client = AsyncEngineClient(config.engine)
+        client.add_stats_listener(metrics.update_engine)
+        model_path = config.engine.model or default_model_path()
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path))
+        try:
+            await client.start()
+            tokenizer = await tokenizer_task
+        except BaseException:
+            tokenizer_task.cancel()
+            await client.shutdown()
+            raise
+        ready = client.ready
+        name = config.model_name()
+        app.state.ctx = ServingContext(
+            client=client, tokenizer=tokenizer, model_name=name,
+            model_aliases=frozenset({name, model_path, config.engine.model or name}), metrics=metrics,
+            max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_logprobs=ready.max_logprobs,
+            max_n=config.max_n,
+        )
+        metrics.update_engine(client.stats)
+        logger.info("serving %s (engine core pid %d) on http://%s:%d", name, ready.pid, config.host, config.port)
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        metrics.error(exc.status)
+        return _error(exc.status, exc.message, exc.param, exc.type, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        metrics.error(400)
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        return _error(400, f"{where}: {first.get('msg', 'invalid value')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        metrics.error(exc.status_code)
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        metrics.error(500)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ auth
+    async def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            raise RequestError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401,
+                               type_="AuthenticationError")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    errors = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+    @v1.post("/completions", response_model=CompletionResponse, responses=errors)
+    async def completions(body: CompletionRequest, request: Request):
+        ctx = _ctx(request)
+        _admit(ctx, config, 1)
+        if body.stream:
+            return StreamingResponse(stream_completion(ctx, body), media_type="text/event-stream")
+        return await until_disconnect(request, create_completion(ctx, body))
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=errors)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ctx = _ctx(request)
+        _admit(ctx, config, 1)
+        if body.stream:
+            return StreamingResponse(stream_chat(ctx, body), media_type="text/event-stream")
+        return await until_disconnect(request, create_chat(ctx, body))
+
+    @v1.get("/models", response_model=ModelList)
+    async def models(request: Request):
+        ctx = _ctx(request)
+        return ModelList(data=[ModelCard(id=ctx.model_name, root=str(config.engine.model or ctx.model_name),
+                                         max_model_len=ctx.max_model_len)])
+
+    app.include_router(v1)
+
+    # ------------------------------------------------------------------ operations
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
+    async def health(request: Request):
+        client = _ctx(request).client
+        if client.dead:
+            metrics.core_dead = True
+            body = HealthResponse(status="unhealthy", engine_core_pid=client.core_pid, detail=client.dead_reason)
+            return JSONResponse(body.model_dump(), status_code=503)
+        return HealthResponse(status="ok", engine_core_pid=client.core_pid)
+
+    @app.get("/metrics")
+    async def prometheus_metrics(request: Request):
+        metrics.core_dead = _ctx(request).client.dead
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
+    async def tokenize(body: TokenizeRequest, request: Request):
+        ctx = _ctx(request)
+        ctx.check_model(body.model)
+        if ctx.tokenizer is None:
+            raise RequestError("this model has no tokenizer", "prompt")
+        ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=ctx.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        ctx = _ctx(request)
+        ctx.check_model(body.model)
+        ctx.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=ctx.detokenize(body.tokens))
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+    async def tokenizer_info(request: Request):
+        ctx = _ctx(request)
+        tok = ctx.tokenizer
+        if tok is None:
+            raise RequestError("this model has no tokenizer", status=404)
+        return TokenizerInfoResponse(
+            tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, bos_token=tok.bos_token,
+            pad_token=tok.pad_token, chat_template=getattr(tok, "chat_template", None),
+            model_max_length=ctx.max_model_len, add_bos_token=getattr(tok, "add_bos_token", None),
+        )
+
+    return app
+
+
+def run_server(config: ServerConfig, log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        logger.warning("binding %s without --api-key: anyone who can reach this address can use the model",
+                       config.host)
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=log_level,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,53 @@
+"""Request body size limit: 413 before a large body is buffered, whether or not it declares its length."""
+
+from __future__ import annotations
+
+import json
+
+
+class BodySizeLimit:
+    """Pure ASGI middleware. It reads the body itself, at most `max_bytes` of it, and replays it to
+    the app: a body without Content-Length (chunked) is held to the same limit, and the app never
+    sees a half-read body."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: wait for the disconnect, as the server would
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps({"error": {
+            "message": f"the request body exceeds the server's limit of {self.max_bytes} bytes",
+            "type": "RequestTooLargeError", "param": None, "code": 413,
+        }}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,243 @@
+"""Pydantic models of the OpenAI-compatible API: what clients send and what they get back.
+
+Field names and shapes follow the OpenAI API (and vLLM's extensions where OpenAI has none:
+`top_k`, `min_p`, `repetition_penalty`, `prompt_logprobs`, `logprobs_mode`, `logprob_token_ids` ...).
+Unknown fields are ignored, as OpenAI's own server and vLLM do, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------- errors
+class ErrorInfo(_Model):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(_Model):
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------------ requests
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Model):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # verispec / vLLM extensions
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str | None = Field(
+        default=None, description="raw_logprobs | raw_logits | processed_logprobs | processed_logits"
+    )
+    logprob_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ContentPart(_Model):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ----------------------------------------------------------------------------------- responses
+class UsageInfo(_Model):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class PromptLogprob(_Model):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionLogprobs(_Model):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Model):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class CompletionResponse(_Model):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Model):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(_Model):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Model):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Model):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class DeltaMessage(_Model):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Model):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Model):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "verispec"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Model):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Model):
+    prompt: str
+
+
+class TokenizerInfoResponse(_Model):
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+    add_bos_token: bool | None = None
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class HealthResponse(_Model):
+    status: Literal["ok", "unhealthy"]
+    engine_core_pid: int | None = None
+    detail: str | None = None

@@ -1,0 +1,256 @@
+"""What /v1/completions and /v1/chat/completions share: the serving context, request -> SamplingParams
+translation with errors that name the field, and collecting a request's deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from verispec.engine.core_client import AsyncEngineClient, EngineDeadError
+from verispec.engine.core_protocol import LogprobRow, RequestDelta
+from verispec.entrypoints.openai.metrics import ServerMetrics
+from verispec.entrypoints.openai.protocol import PromptLogprob, UsageInfo
+from verispec.sampling_params import SamplingParams
+
+# JSON has no -inf: a masked alternative's score is reported as this, as vLLM does.
+NEG_INF_JSON = -9999.0
+
+# Request fields copied to SamplingParams unchanged when the client sets them.
+_PASSTHROUGH = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+    "allowed_token_ids", "bad_words", "logprobs_mode", "logprob_token_ids", "seed", "n", "stop",
+)
+
+
+class RequestError(Exception):
+    """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, type_: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.headers = headers
+        self.type = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                              413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+
+
+def json_float(x: float) -> float:
+    return x if math.isfinite(x) else NEG_INF_JSON
+
+
+@dataclass(slots=True)
+class ServingContext:
+    client: AsyncEngineClient
+    tokenizer: object
+    model_name: str
+    model_aliases: frozenset[str]
+    metrics: ServerMetrics
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    max_n: int = 16
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else ""
+            self._token_text[token_id] = text
+        return text
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_aliases:
+            raise RequestError(f"model {name!r} is not served here; this server serves {self.model_name!r}", "model")
+
+    def check_prompt_len(self, num_tokens: int, max_tokens: int | None, param: str) -> None:
+        if num_tokens == 0:
+            raise RequestError(f"{param} must not be empty", param)
+        if num_tokens >= self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the {param} has "
+                f"{num_tokens} tokens; it must leave room for at least one generated token", param
+            )
+        if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {num_tokens} prompt "
+                f"tokens plus max_tokens={max_tokens} need {num_tokens + max_tokens}; lower max_tokens", "max_tokens"
+            )
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"{param} holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})", param)
+
+
+_FIELD_RE = re.compile(r"^([a-z_]+)")
+
+
+def sampling_params(ctx: ServingContext, req, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None, renames: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from a request; a ValueError becomes a 400 naming the request's field."""
+    kw: dict = {"max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    for name in _PASSTHROUGH:
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if req.logit_bias is not None:
+        kw["logit_bias"] = dict(req.logit_bias)
+    if isinstance(kw.get("n"), int) and kw["n"] > ctx.max_n:
+        raise RequestError(f"n must be at most {ctx.max_n}; got {kw['n']}", "n")
+    try:
+        params = SamplingParams(**kw)
+        params.check_against_model(ctx.vocab_size, ctx.max_logprobs)
+    except ValueError as exc:
+        match = _FIELD_RE.match(str(exc))
+        name = match.group(1) if match else None
+        name = (renames or {}).get(name, name)
+        raise RequestError(str(exc), name if name in type(req).model_fields else None) from None
+    return params
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ----------------------------------------------------------------------------- collecting output
+@dataclass(slots=True)
+class ChoiceState:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    rows: list[LogprobRow] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        if delta.logprobs:
+            self.rows.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass(slots=True)
+class PromptResult:
+    prompt_ids: list[int]
+    choices: list[ChoiceState]
+    prompt_rows: list[LogprobRow | None] | None = None
+
+
+async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[int],
+                         params: SamplingParams) -> AsyncIterator[RequestDelta]:
+    """The request's deltas, with errors mapped to HTTP errors and latency metrics recorded."""
+    if ctx.client.dead:
+        raise RequestError(f"the engine is not running: {ctx.client.dead_reason}", status=503)
+    start = last = time.monotonic()
+    first = True
+    reason = "abort"
+    try:
+        async for delta in ctx.client.generate(request_id, prompt_ids, params):
+            if delta.error is not None:
+                reason = "error"
+                status = 400 if delta.error_kind == "invalid" else 500
+                raise RequestError(delta.error, status=status)
+            now = time.monotonic()
+            if any(c.token_ids for c in delta.completions):
+                ctx.metrics.observe_latency(now - start if first else None, None if first else now - last)
+                first, last = False, now
+                ctx.metrics.generation_tokens.inc(sum(len(c.token_ids) for c in delta.completions))
+            if delta.finished:
+                reasons = [c.finish_reason for c in delta.completions if c.finish_reason]
+                reason = reasons[-1] if reasons else "stop"
+            yield delta
+    except EngineDeadError as exc:
+        reason = "error"
+        raise RequestError(f"the engine is not running: {exc}", status=503) from None
+    finally:
+        ctx.metrics.finish_request(reason, time.monotonic() - start, len(prompt_ids))
+
+
+async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PromptResult:
+    result = PromptResult(prompt_ids, [ChoiceState() for _ in range(params.n)])
+    async for delta in stream_request(ctx, request_id, prompt_ids, params):
+        if delta.prompt_logprobs is not None:
+            result.prompt_rows = delta.prompt_logprobs
+        for comp in delta.completions:
+            result.choices[comp.index].add(comp)
+    return result
+
+
+async def collect_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
+                      params: SamplingParams) -> list[PromptResult]:
+    """Runs every prompt of a request concurrently; the first failure cancels (aborts) the rest."""
+    tasks = [asyncio.create_task(collect(ctx, f"{base_id}-{i}", ids, params)) for i, ids in enumerate(prompts)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnect(request: Request, coro):
+    """Awaits `coro` unless the client goes away first; then cancels it, which aborts its engine
+    requests and frees their KV blocks."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait([task], timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise RequestError("client disconnected", status=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def usage(results: list[PromptResult]) -> UsageInfo:
+    prompt = sum(len(r.prompt_ids) for r in results)
+    completion = sum(len(c.token_ids) for r in results for c in r.choices)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def prompt_logprobs_json(rows: list[LogprobRow | None] | None) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` shape: per prompt position, token id -> {logprob, rank, decoded_token}."""
+    if rows is None:
+        return None
+    out = []
+    for row in rows:
+        if row is None:
+            out.append(None)
+            continue
+        out.append({
+            str(t): PromptLogprob(logprob=json_float(lp), rank=rank, decoded_token=tok)
+            for t, lp, rank, tok in zip(row.token_ids, row.logprobs, row.ranks, row.tokens)
+        })
+    return out
+
+
+def error_json(exc: Exception) -> str:
+    """The OpenAI error body for an exception (a RequestError keeps its status, type and field)."""
+    from verispec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+    if isinstance(exc, RequestError):
+        info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.status)
+    else:
+        info = ErrorInfo(message=f"internal error: {type(exc).__name__}: {exc}", type="InternalServerError", code=500)
+    return ErrorResponse(error=info).model_dump_json()
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"

@@ -1,0 +1,148 @@
+"""POST /v1/chat/completions: messages through the chat template, logprobs as
+`content[{token, logprob, bytes, top_logprobs}]`, streaming with optional usage."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from verispec.engine.core_protocol import LogprobRow
+from verispec.entrypoints.chat_utils import chat_prompt_ids
+from verispec.entrypoints.openai.protocol import (
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob, UsageInfo,
+)
+from verispec.entrypoints.openai.serving import (
+    RequestError, ServingContext, collect, error_json, json_float, new_id, prompt_logprobs_json, sampling_params,
+    sse, stream_request, usage,
+)
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    out = []
+    for i, msg in enumerate(req.messages):
+        content = msg.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise RequestError(f"messages[{i}].content: only text parts are supported; got {part.type!r}",
+                                       "messages")
+                parts.append(part.text)
+            content = "".join(parts)
+        entry = {"role": msg.role, "content": content if content is not None else ""}
+        if msg.name is not None:
+            entry["name"] = msg.name
+        out.append(entry)
+    return out
+
+
+def _prepare(ctx: ServingContext, req: ChatCompletionRequest):
+    ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.stream and req.prompt_logprobs is not None:
+        raise RequestError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    if ctx.tokenizer is None:
+        raise RequestError("this model has no tokenizer and chat template; use /v1/completions", "messages")
+    try:
+        ids = chat_prompt_ids(ctx.tokenizer, _messages(req), req.add_generation_prompt)
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs and req.logprob_token_ids is None else None
+    params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+                             renames={"logprobs": "top_logprobs", "max_tokens": max_name})
+    ctx.check_prompt_len(len(ids), max_tokens, "messages")
+    return ids, params
+
+
+def _shows_logprobs(req: ChatCompletionRequest) -> bool:
+    return req.logprobs or req.logprob_token_ids is not None
+
+
+def _token_entry(ctx: ServingContext, token_id: int, logprob: float, text: str | None) -> TopLogprob:
+    text = text if text is not None else ctx.token_text(token_id)
+    return TopLogprob(token=text, logprob=json_float(logprob), bytes=list(text.encode("utf-8")))
+
+
+def chat_logprobs(ctx: ServingContext, rows: list[LogprobRow], k: int, custom: list[int] | None = None) -> ChatLogprobs:
+    """`k` top alternatives per token; with `logprob_token_ids`, exactly those ids instead."""
+    content = []
+    for row in rows:
+        chosen = _token_entry(ctx, row.token_ids[0], row.logprobs[0], row.tokens[0])
+        alts = [_token_entry(ctx, t, lp, s) for t, lp, s in zip(row.token_ids[1:], row.logprobs[1:], row.tokens[1:])]
+        # The engine lists the sampled token once, first. Among the top-k it belongs at its rank;
+        # among custom ids, where the client put it.
+        if custom is not None:
+            if row.token_ids[0] in custom:
+                alts.insert(custom.index(row.token_ids[0]), chosen)
+            top = alts
+        else:
+            rank = row.ranks[0]
+            if rank is not None and rank <= k:
+                alts.insert(rank - 1, chosen)
+            top = alts[:k]
+        content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatCompletionResponse:
+    ids, params = _prepare(ctx, req)
+    request_id = new_id("chatcmpl")
+    result = await collect(ctx, request_id, ids, params)
+    k = req.top_logprobs or 0
+    choices = [
+        ChatChoice(
+            index=i,
+            message=AssistantMessage(content=c.text),
+            logprobs=chat_logprobs(ctx, c.rows, k, req.logprob_token_ids) if _shows_logprobs(req) else None,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for i, c in enumerate(result.choices)
+    ]
+    return ChatCompletionResponse(
+        id=request_id, model=ctx.model_name, choices=choices, usage=usage([result]),
+        prompt_logprobs=prompt_logprobs_json(result.prompt_rows) if req.prompt_logprobs is not None else None,
+    )
+
+
+def stream_chat(ctx: ServingContext, req: ChatCompletionRequest) -> AsyncIterator[str]:
+    """Validates now (errors become a 400 before any byte is sent), then streams SSE chunks."""
+    ids, params = _prepare(ctx, req)
+    return _stream(ctx, req, ids, params)
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int], params) -> AsyncIterator[str]:
+    request_id = new_id("chatcmpl")
+    created = int(time.time())
+    k = req.top_logprobs or 0
+
+    def chunk(choices: list[ChatStreamChoice], use: UsageInfo | None = None) -> str:
+        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=use)
+        return sse(body.model_dump_json())
+
+    for i in range(params.n):
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+    completion_tokens = 0
+    try:
+        async for delta in stream_request(ctx, request_id, ids, params):
+            for comp in delta.completions:
+                completion_tokens += len(comp.token_ids)
+                lp = chat_logprobs(ctx, comp.logprobs, k, req.logprob_token_ids) if _shows_logprobs(req) and comp.logprobs else None
+                if comp.text or lp is not None or comp.finish_reason is not None:
+                    yield chunk([ChatStreamChoice(
+                        index=comp.index, delta=DeltaMessage(content=comp.text or None), logprobs=lp,
+                        finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                    )])
+    except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel as an event
+        yield sse(error_json(exc))
+        yield sse("[DONE]")
+        return
+    if req.stream_options is not None and req.stream_options.include_usage:
+        use = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                        total_tokens=len(ids) + completion_tokens)
+        yield chunk([], use)
+    yield sse("[DONE]")

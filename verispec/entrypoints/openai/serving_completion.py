@@ -1,0 +1,225 @@
+"""POST /v1/completions: prompts as text or token ids, echo, logprobs, prompt logprobs, streaming.
+
+This is the route lm-eval's `local-completions` scores with: `echo=True, logprobs=1, max_tokens=0 or 1`
+on token-id prompts. With echo and logprobs the prompt's own tokens come first, the first one with a
+null logprob, and every sampled token's logprob is the same float as its entry in `top_logprobs`
+(lm-eval tests greediness with `==`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from verispec.engine.core_protocol import LogprobRow
+from verispec.entrypoints.openai.protocol import (
+    CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo,
+)
+from verispec.entrypoints.openai.serving import (
+    ChoiceState, PromptResult, RequestError, ServingContext, collect_all, error_json, json_float, new_id,
+    prompt_logprobs_json, sampling_params, sse, stream_request, usage,
+)
+
+
+def _prompts(ctx: ServingContext, prompt) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt, from any of the four accepted shapes."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompt = [prompt]
+    if not prompt:
+        raise RequestError("prompt must not be empty", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if ctx.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send prompt as token ids", "prompt")
+            out.append((p, ctx.tokenizer.encode(p)))
+        else:
+            ctx.check_token_ids(p, "prompt")
+            out.append((None, list(p)))
+    return out
+
+
+class CompletionBuilder:
+    """Turns engine rows into the OpenAI `logprobs` object, keeping running text offsets."""
+
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+        self.offset = 0
+
+    def token_text(self, token_id: int) -> str:
+        return self.ctx.token_text(token_id)
+
+    def add_prompt(self, lp: CompletionLogprobs, prompt_ids: list[int], rows: list[LogprobRow | None] | None) -> None:
+        rows = rows or [None] * len(prompt_ids)
+        for tok, row in zip(prompt_ids, rows):
+            if row is None:  # the first prompt token has no logprob
+                text = self.token_text(tok)
+                lp.tokens.append(text)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                lp.text_offset.append(self.offset)
+                self.offset += len(text)
+            else:
+                self.add_row(lp, row)
+
+    def add_row(self, lp: CompletionLogprobs, row: LogprobRow) -> None:
+        text = row.tokens[0] if row.tokens[0] is not None else self.token_text(row.token_ids[0])
+        value = json_float(row.logprobs[0])
+        lp.tokens.append(text)
+        lp.token_logprobs.append(value)
+        lp.text_offset.append(self.offset)
+        self.offset += len(text)
+        # The row's own token goes in first, so an alternative that decodes to the same text
+        # never replaces its value: `token_logprobs[i] == top_logprobs[i][tokens[i]]` holds.
+        top = {text: value}
+        for t, v, s in zip(row.token_ids[1:], row.logprobs[1:], row.tokens[1:]):
+            top.setdefault(s if s is not None else self.token_text(t), json_float(v))
+        lp.top_logprobs.append(top)
+
+
+def _wants_logprobs(req: CompletionRequest) -> bool:
+    return req.logprobs is not None or req.logprob_token_ids is not None
+
+
+def _prepare(ctx: ServingContext, req: CompletionRequest):
+    ctx.check_model(req.model)
+    if req.max_tokens is not None and req.max_tokens < 0:
+        raise RequestError(f"max_tokens must be >= 0; got {req.max_tokens}", "max_tokens")
+    if req.stream and req.prompt_logprobs is not None:
+        raise RequestError("prompt_logprobs is not available with stream=true; use echo with logprobs",
+                           "prompt_logprobs")
+    prompts = _prompts(ctx, req.prompt)
+    # max_tokens=0 scores the prompt only. The engine always samples once after the prompt, so it
+    # runs with max_tokens=1 and the sampled token is dropped: the prompt's logprobs do not depend on it.
+    prompt_only = req.max_tokens == 0
+    if prompt_only and req.min_tokens:
+        raise RequestError("min_tokens must be 0 when max_tokens is 0", "min_tokens")
+    prompt_lp = req.prompt_logprobs
+    if req.echo and req.logprobs is not None and prompt_lp is None:
+        prompt_lp = req.logprobs
+    params = sampling_params(ctx, req, max_tokens=1 if prompt_only else req.max_tokens, logprobs=req.logprobs,
+                             prompt_logprobs=prompt_lp)
+    for _, ids in prompts:
+        ctx.check_prompt_len(len(ids), params.max_tokens, "prompt")
+    return prompts, params, prompt_only
+
+
+def _choice(ctx: ServingContext, req: CompletionRequest, index: int, prompt_text: str | None, result: PromptResult,
+            choice: ChoiceState, prompt_only: bool) -> CompletionChoice:
+    text = "" if prompt_only else choice.text
+    lp = None
+    if req.echo:
+        text = (prompt_text if prompt_text is not None else ctx.detokenize(result.prompt_ids)) + text
+    if _wants_logprobs(req):
+        lp = CompletionLogprobs()
+        builder = CompletionBuilder(ctx)
+        if req.echo:
+            builder.add_prompt(lp, result.prompt_ids, result.prompt_rows)
+        if not prompt_only:
+            for row in choice.rows:
+                builder.add_row(lp, row)
+    return CompletionChoice(
+        index=index, text=text, logprobs=lp,
+        finish_reason="length" if prompt_only else choice.finish_reason,
+        stop_reason=None if prompt_only else choice.stop_reason,
+        prompt_logprobs=prompt_logprobs_json(result.prompt_rows) if req.prompt_logprobs is not None else None,
+    )
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest) -> CompletionResponse:
+    prompts, params, prompt_only = _prepare(ctx, req)
+    request_id = new_id("cmpl")
+    results = await collect_all(ctx, request_id, [ids for _, ids in prompts], params)
+    choices = []
+    for p, ((text, _), result) in enumerate(zip(prompts, results)):
+        for i, choice in enumerate(result.choices):
+            choices.append(_choice(ctx, req, p * params.n + i, text, result, choice, prompt_only))
+    use = usage(results)
+    if prompt_only:
+        use = UsageInfo(prompt_tokens=use.prompt_tokens, completion_tokens=0, total_tokens=use.prompt_tokens)
+    return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=use)
+
+
+def stream_completion(ctx: ServingContext, req: CompletionRequest) -> AsyncIterator[str]:
+    """Validates now (errors become a 400 before any byte is sent), then streams SSE chunks."""
+    prompts, params, prompt_only = _prepare(ctx, req)
+    return _stream(ctx, req, prompts, params, prompt_only)
+
+
+async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
+    request_id = new_id("cmpl")
+    created = int(time.time())
+    queue: asyncio.Queue = asyncio.Queue()
+    wants_lp = _wants_logprobs(req)
+
+    async def pump(p: int, ids: list[int]) -> None:
+        try:
+            async for delta in stream_request(ctx, f"{request_id}-{p}", ids, params):
+                queue.put_nowait((p, delta))
+        except Exception as exc:  # noqa: BLE001 - forwarded to the client as an error event
+            queue.put_nowait((p, exc))
+        finally:
+            queue.put_nowait((p, None))
+
+    def chunk(index: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None, stop=None) -> str:
+        body = CompletionResponse(
+            id=request_id, created=created, model=ctx.model_name,
+            choices=[CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop)],
+        )
+        return sse(body.model_dump_json(exclude_unset=False))
+
+    tasks = [asyncio.create_task(pump(p, ids)) for p, (_, ids) in enumerate(prompts)]
+    builders = {(p, i): CompletionBuilder(ctx) for p in range(len(prompts)) for i in range(params.n)}
+    num_tokens = [0] * len(prompts)
+    echoed = [False] * len(prompts)
+    remaining = len(prompts)
+    try:
+        while remaining:
+            p, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, Exception):
+                yield sse(error_json(item))
+                break
+            text_p, ids = prompts[p]
+            if req.echo and not echoed[p]:
+                echoed[p] = True
+                echo_text = text_p if text_p is not None else ctx.detokenize(ids)
+                for i in range(params.n):
+                    lp = None
+                    if wants_lp:
+                        lp = CompletionLogprobs()
+                        builders[(p, i)].add_prompt(lp, ids, item.prompt_logprobs)
+                    yield chunk(p * params.n + i, echo_text, lp)
+            num_tokens[p] += sum(len(c.token_ids) for c in item.completions)
+            for comp in item.completions:
+                index = p * params.n + comp.index
+                if prompt_only:
+                    if comp.finish_reason is not None:
+                        yield chunk(index, "", None, "length")
+                    continue
+                lp = None
+                if wants_lp and comp.logprobs:
+                    lp = CompletionLogprobs()
+                    for row in comp.logprobs:
+                        builders[(p, comp.index)].add_row(lp, row)
+                if comp.text or lp is not None or comp.finish_reason is not None:
+                    yield chunk(index, comp.text, lp, comp.finish_reason, comp.stop_reason)
+        if req.stream_options is not None and req.stream_options.include_usage:
+            prompt_tokens = sum(len(ids) for _, ids in prompts)
+            completion_tokens = 0 if prompt_only else sum(num_tokens)
+            body = CompletionResponse(
+                id=request_id, created=created, model=ctx.model_name, choices=[],
+                usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                total_tokens=prompt_tokens + completion_tokens),
+            )
+            yield sse(body.model_dump_json())
+        yield sse("[DONE]")
+    finally:
+        for task in tasks:  # a disconnected client: cancelling aborts the engine requests
+            task.cancel()
+
