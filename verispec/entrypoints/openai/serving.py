@@ -114,10 +114,13 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int | None, logprob
         params = SamplingParams(**kw)
         params.check_against_model(ctx.vocab_size, ctx.max_logprobs)
     except ValueError as exc:
-        match = _FIELD_RE.match(str(exc))
+        message = str(exc)
+        match = _FIELD_RE.match(message)
         name = match.group(1) if match else None
-        name = (renames or {}).get(name, name)
-        raise RequestError(str(exc), name if name in type(req).model_fields else None) from None
+        if name in (renames or {}):  # report the field by the name this route's clients use
+            message = renames[name] + message[len(name):]
+            name = renames[name]
+        raise RequestError(message, name if name in type(req).model_fields else None) from None
     return params
 
 

@@ -1,0 +1,350 @@
+"""The OpenAI-compatible server, end to end: a real `verispec serve` subprocess on a free port, driven by
+the official `openai` client, `requests` and `curl`, checked against the in-process `LLM`.
+
+The server runs with the same engine options as the `smollm2_llm` fixture, so a request run alone
+gives bit-identical logprobs on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from server_utils import ServerProcess, sse_events
+from verispec import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+SAME_ENGINE = ("--max-num-batched-tokens", "64", "--num-kv-blocks", "256")
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(*SAME_ENGINE, api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_server():
+    """Speculation on, no API key; the last test kills its engine core."""
+    srv = ServerProcess("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    yield srv
+    srv.stop()
+
+
+def _assert_same_entry(http_value: float, engine_value: float) -> None:
+    assert http_value == engine_value, (http_value, engine_value)  # bit-identical, not approximately
+
+
+# ------------------------------------------------------------------------------------------ chat
+def test_chat_logprobs_equal_in_process(server, smollm2_llm):
+    chat = server.openai().chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=5,
+    )
+    ref = smollm2_llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=12, logprobs=5), use_tqdm=False)[0]
+    ref_c = ref.outputs[0]
+    choice = chat.choices[0]
+    assert choice.message.content == ref_c.text
+    assert choice.finish_reason == ref_c.finish_reason
+    content = choice.logprobs.content
+    assert len(content) == len(ref_c.token_ids)
+    for entry, tok, ref_entry in zip(content, ref_c.token_ids, ref_c.logprobs):
+        _assert_same_entry(entry.logprob, ref_entry[tok].logprob)
+        assert entry.token == ref_entry[tok].decoded_token
+        assert bytes(entry.bytes) == entry.token.encode()
+        assert len(entry.top_logprobs) == 5
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        top_ref = sorted((lp for lp in ref_entry.values() if lp.rank is not None and lp.rank <= 5),
+                         key=lambda lp: lp.rank)
+        assert values == [lp.logprob for lp in top_ref]
+        if ref_entry[tok].rank == 1:  # greedy: the chosen token is the top entry, same float
+            assert entry.top_logprobs[0].token == entry.token
+            assert entry.top_logprobs[0].logprob == entry.logprob
+    assert chat.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert chat.usage.completion_tokens == len(ref_c.token_ids)
+
+
+def test_chat_streaming_equals_plain(server):
+    client = server.openai()
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True, top_logprobs=5)
+    plain = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert text == plain.choices[0].message.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in plain.choices[0].logprobs.content]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+
+
+def test_chat_n2_seeded_equals_in_process(server, smollm2_llm):
+    chat = server.openai().chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=10, temperature=1.0, n=2, seed=11, logprobs=True,
+    )
+    ref = smollm2_llm.chat(QUESTION, SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=11, logprobs=0),
+                           use_tqdm=False)[0]
+    assert [c.index for c in chat.choices] == [0, 1]
+    for choice, ref_c in zip(chat.choices, ref.outputs):
+        assert choice.message.content == ref_c.text
+        for entry, tok, ref_entry in zip(choice.logprobs.content, ref_c.token_ids, ref_c.logprobs):
+            _assert_same_entry(entry.logprob, ref_entry[tok].logprob)
+
+
+# ------------------------------------------------------------------------------------ completions
+def _lm_eval_prompts(llm) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    texts = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of",
+             "def add(a, b):\n    return", "One, two, three, four,"]
+    return [tok.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_lm_eval_loglikelihood_request(server, smollm2_llm, max_tokens):
+    """Exactly what lm-eval's local-completions sends: 4 token-id prompts, echo, logprobs=1."""
+    prompts = _lm_eval_prompts(smollm2_llm)
+    resp = server.openai().completions.create(model=MODEL, prompt=prompts, echo=True, logprobs=1,
+                                              max_tokens=max_tokens, temperature=0, seed=1234)
+    refs = smollm2_llm.generate([list(p) for p in prompts],
+                                SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1),
+                                use_tqdm=False)
+    assert len(resp.choices) == 4
+    for choice, prompt, ref in zip(sorted(resp.choices, key=lambda c: c.index), prompts, refs):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            ref_entry = ref.prompt_logprobs[i]
+            _assert_same_entry(lp.token_logprobs[i], ref_entry[prompt[i]].logprob)
+            # lm-eval's greediness test: token_logprob == max(top_logprobs.values()) iff rank 1
+            is_greedy = lp.token_logprobs[i] == max(lp.top_logprobs[i].values())
+            assert is_greedy == (ref_entry[prompt[i]].rank == 1)
+            assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
+        if max_tokens:
+            _assert_same_entry(lp.token_logprobs[-1], ref.outputs[0].logprobs[0][ref.outputs[0].token_ids[0]].logprob)
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+        assert choice.text.startswith(smollm2_llm.get_tokenizer().decode(prompt))
+        assert choice.finish_reason == "length"
+    assert resp.usage.prompt_tokens == sum(map(len, prompts))
+    assert resp.usage.completion_tokens == 4 * max_tokens
+
+
+def test_completion_logprobs_modes_and_prompt_logprobs_equal_in_process(server, smollm2_llm):
+    body = {"model": MODEL, "prompt": "A list of fruits: apple, banana,", "max_tokens": 8, "temperature": 0.8,
+            "top_k": 20, "seed": 7, "logprobs": 3, "prompt_logprobs": 2, "logprobs_mode": "processed_logprobs"}
+    r = server.post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ref = smollm2_llm.generate(body["prompt"], SamplingParams(
+        max_tokens=8, temperature=0.8, top_k=20, seed=7, logprobs=3, prompt_logprobs=2,
+        logprobs_mode="processed_logprobs"), use_tqdm=False)[0]
+    ref_c = ref.outputs[0]
+    assert choice["text"] == ref_c.text
+    for value, tok, ref_entry in zip(choice["logprobs"]["token_logprobs"], ref_c.token_ids, ref_c.logprobs):
+        _assert_same_entry(value, ref_entry[tok].logprob)
+        assert math.isfinite(value)
+    prompt_lp = choice["prompt_logprobs"]
+    assert prompt_lp[0] is None and len(prompt_lp) == len(ref.prompt_token_ids)
+    for http_entry, ref_entry in zip(prompt_lp[1:], ref.prompt_logprobs[1:]):
+        # JSON has no -inf: a masked (top-k) prompt token is reported as -9999.0, as vLLM does
+        assert {int(t): e["logprob"] for t, e in http_entry.items()} == {
+            t: lp.logprob if math.isfinite(lp.logprob) else -9999.0 for t, lp in ref_entry.items()}
+        assert {int(t): e["rank"] for t, e in http_entry.items()} == {t: lp.rank for t, lp in ref_entry.items()}
+
+
+def test_stop_strings_plain_and_streaming(server, smollm2_llm):
+    prompt = "Count: 1, 2, 3, 4,"
+    ref = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    stop = ref.text[6:9]  # a stop string that the unconstrained greedy text reaches
+    assert stop.strip()
+    client = server.openai()
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].text == ref.text[: ref.text.index(stop)]
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0,
+                                              stop=[stop], stream=True))
+    text = "".join(c.choices[0].text for c in streamed)
+    assert text == resp.choices[0].text
+    assert all(stop not in c.choices[0].text for c in streamed)
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_streaming_echo_and_n(server):
+    r = server.post("/v1/completions", {"prompt": "Hello there", "max_tokens": 5, "n": 2, "temperature": 1.0,
+                                        "seed": 3, "echo": True, "stream": True}, stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    texts = {0: "", 1: ""}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    plain = server.post("/v1/completions", {"prompt": "Hello there", "max_tokens": 5, "n": 2, "temperature": 1.0,
+                                            "seed": 3, "echo": True}).json()
+    assert texts == {c["index"]: c["text"] for c in plain["choices"]}
+    assert all(t.startswith("Hello there") for t in texts.values())
+
+
+# ----------------------------------------------------------------------------------------- errors
+ERROR_CASES = [
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "logprobs_mode": "softmax"}, "logprobs_mode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 50}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi " * 9000}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, "model"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [99999999]]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", ERROR_CASES, ids=[f"{c[2]}-{i}" for i, c in enumerate(ERROR_CASES)])
+def test_invalid_input_is_400_naming_the_field(server, path, body, param):
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert param in err["message"] or param in ("model", "prompt", "messages")
+    assert err["type"] and err["code"] == 400
+
+
+@pytest.mark.parametrize("raw", ['{"prompt": "hi",', "not json", '["a list"]', ""])
+def test_malformed_json_is_400(server, raw):
+    r = server.post("/v1/completions", raw)
+    assert r.status_code == 400, r.text
+    assert "error" in r.json() and r.json()["error"]["code"] == 400
+
+
+def test_api_key_required_on_v1_only(server):
+    no_key = requests.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30)
+    wrong = requests.get(server.url + "/v1/models", headers={"Authorization": "Bearer nope"}, timeout=30)
+    assert no_key.status_code == 401 and wrong.status_code == 401
+    assert no_key.json()["error"]["code"] == 401
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    assert server.get("/v1/models").status_code == 200
+
+
+# --------------------------------------------------------------------------- operational routes
+def test_models_tokenize_detokenize_tokenizer_info(server, smollm2_llm):
+    models = server.get("/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+    tok = smollm2_llm.get_tokenizer()
+    r = server.post("/tokenize", {"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert r["tokens"] == tok.encode("Hello world", add_special_tokens=False) and r["count"] == len(r["tokens"])
+    assert server.post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": "Hello world"}
+    info = server.get("/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    assert info["chat_template"] == tok.chat_template
+
+
+def test_metrics_exposes_engine_and_latency(server):
+    server.openai().completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+    m = server.metrics()
+    for name in ("verispec:kv_cache_usage_perc", "verispec:num_requests_running", "verispec:num_preemptions_total",
+                 "verispec:spec_decode_num_drafts_total", "verispec:spec_decode_num_accepted_tokens_total",
+                 "verispec:time_to_first_token_seconds_count", "verispec:inter_token_latency_seconds_count",
+                 "verispec:request_success_total", "verispec:generation_tokens_total"):
+        assert name in m, name
+    assert m["verispec:time_to_first_token_seconds_count"] >= 1
+    assert m["verispec:kv_cache_blocks_total"] == 256
+
+
+# ---------------------------------------------------------------------------------- disconnects
+def test_stream_disconnect_aborts_and_frees_blocks(server):
+    r = server.post("/v1/completions", {"prompt": "Write a long story.", "max_tokens": 2000, "ignore_eos": True,
+                                        "stream": True}, stream=True)
+    lines = r.iter_lines()
+    got = 0
+    for line in lines:
+        if line.startswith(b"data: "):
+            got += 1
+        if got == 3:
+            break
+    assert server.metrics()["verispec:num_requests_running"] == 1
+    r.close()  # the client goes away mid-stream
+    m = server.wait_idle()
+    assert m["verispec:kv_cache_blocks_free"] == m["verispec:kv_cache_blocks_total"]
+    assert m["verispec:num_requests_running"] == 0
+
+
+def test_non_stream_disconnect_aborts(server):
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        server.post("/v1/completions", {"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True},
+                    timeout=1.5)
+    m = server.wait_idle()
+    assert m["verispec:kv_cache_blocks_free"] == m["verispec:kv_cache_blocks_total"]
+
+
+# ------------------------------------------------------------------------ README, speculation, death
+def _readme_block(lang: str, needle: str) -> str:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for block in re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S):
+        if needle in block:
+            return block
+    raise AssertionError(f"README has no {lang} block with {needle!r}")
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_readme_curl_example(spec_server):
+    cmd = _readme_block("bash", "curl http://127.0.0.1:8000").replace("127.0.0.1:8000", f"127.0.0.1:{spec_server.port}")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120, check=True).stdout
+    body = json.loads(out)
+    assert body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+
+
+def test_readme_openai_example(spec_server, capsys):
+    code = _readme_block("python", "from openai import OpenAI").replace("127.0.0.1:8000", f"127.0.0.1:{spec_server.port}")
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "logprob" in printed and "None" in printed  # the echoed prompt's first logprob is null
+
+
+def test_speculative_server_gives_the_same_greedy_text(server, spec_server):
+    kw = dict(model=MODEL, messages=QUESTION + [{"role": "assistant", "content": "Paris."},
+                                                {"role": "user", "content": "Repeat your answer twice."}],
+              max_tokens=24, temperature=0)
+    plain = server.openai().chat.completions.create(**kw).choices[0].message.content
+    spec = spec_server.openai().chat.completions.create(**kw).choices[0].message.content
+    assert spec == plain
+    assert spec_server.metrics()["verispec:spec_decode_num_drafts_total"] > 0
+
+
+def test_dead_engine_core_gives_503(spec_server):
+    pid = spec_server.get("/health").json()["engine_core_pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while spec_server.get("/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert spec_server.get("/health").status_code == 503
+    r = spec_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.headers.get("retry-after")
+    assert r.json()["error"]["code"] == 503
+    assert spec_server.metrics()["verispec:engine_core_alive"] == 0
