@@ -21,7 +21,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 300.0):
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 300.0,
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
@@ -30,7 +31,7 @@ class ServerProcess:
                "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait(startup_timeout)
 

@@ -166,3 +166,29 @@ def test_smollm2_text_and_chat(smollm2_llm):
     assert "." not in stop.outputs[0].text
     chat = smollm2_llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
     assert "4" in chat.outputs[0].text
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_a_failing_request_does_not_sink_the_batch(tiny_llama, spec):
+    """A model error that only one request triggers fails that request; the rest of the batch
+    finishes with the output it has when run without the faulty request."""
+    prompts = random_prompts(5, 6, 20, seed=5)
+    poison = 511
+    prompts = [[t for t in p if t != poison] for p in prompts]
+    bad = prompts[2][:3] + [poison] + prompts[2][3:]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True, logprobs=2)] * 3
+    llm = LLM(tiny_llama, max_num_batched_tokens=48, speculative_config=spec)
+    clean = llm.generate([p for i, p in enumerate(prompts) if i != 2],
+                         [q for i, q in enumerate(params[:5]) if i != 2], use_tqdm=False)
+    llm.engine.runner.fault_tokens = [poison]
+    outs = llm.generate(prompts[:2] + [bad] + prompts[3:], params[:5], use_tqdm=False)
+    assert outs[2].error is not None and "injected fault" in outs[2].error
+    assert outs[2].outputs[0].finish_reason == "abort"
+    for out, ref in zip(outs[:2] + outs[3:], clean):
+        assert out.error is None
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    # The engine keeps serving afterwards.
+    again = llm.generate(prompts[0], params[0], use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == clean[0].outputs[0].token_ids

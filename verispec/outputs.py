@@ -44,6 +44,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, Any] = field(default_factory=dict)
+    # Set when the request failed inside the engine (its outputs stop where it failed).
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         def conv(obj):

@@ -110,6 +110,8 @@ class DeltaTracker:
         prog.prompt_sent = True
         if out.finished:
             self.forget(out.request_id)
+        if out.error is not None:
+            return RequestDelta(out.request_id, completions, True, prompt, error=out.error, error_kind="internal")
         return RequestDelta(out.request_id, completions, out.finished, prompt)
 
 

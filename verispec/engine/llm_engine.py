@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -12,8 +13,8 @@ from verispec.config import EngineConfig
 from verispec.engine.kv_cache import BlockPool, bytes_per_block
 from verispec.engine.output_processor import OutputProcessor
 from verispec.engine.request import RandomStreams, Request, RequestStatus
-from verispec.engine.runner import ModelRunner
-from verispec.engine.scheduler import Scheduler
+from verispec.engine.runner import ModelRunner, StepResult
+from verispec.engine.scheduler import Scheduler, SchedulerOutput
 from verispec.models.default import default_model_path
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer
@@ -36,6 +37,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request] = field(default_factory=list)
+    error: str | None = None  # set when the request raised inside the engine
 
 
 class LLMEngine:
@@ -193,10 +195,20 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.num_steps += 1
-        result = self.runner.execute(sched)
+        failed: dict[str, str] = {}
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - isolated below; one request must not sink the batch
+            result, failed = self._execute_isolated(sched, exc)
         touched: dict[str, None] = {}
         for s in sched.scheduled:
             req = s.request
+            parent_id = self._child_parent[req.request_id]
+            if req.request_id in failed:
+                self._fail(req, failed[req.request_id])
+            if self._parents[parent_id].error is not None:  # a sibling may have failed first
+                touched[parent_id] = None
+                continue
             req.num_computed_tokens += s.num_new_tokens
             if s.spec_tokens:
                 accepted = result.num_accepted[req.request_id]
@@ -218,6 +230,39 @@ class LLMEngine:
             self.drafter.propose(self.scheduler.running, self.max_model_len)
         return [self._parent_output(pid) for pid in touched]
 
+    def _execute_isolated(self, sched: SchedulerOutput, exc: Exception) -> tuple[StepResult, dict[str, str]]:
+        """The batch's step raised. Runs each scheduled request alone to find the one(s) at fault:
+        those fail, the rest get this step's results from their solo runs and carry on."""
+        logger.warning("engine step failed (%s: %s); retrying its %d requests one by one",
+                       type(exc).__name__, exc, len(sched.scheduled))
+        merged, failed = StepResult(), {}
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            if len(sched.scheduled) == 1:
+                part_exc: Exception | None = exc
+            else:
+                try:
+                    part = self.runner.execute(SchedulerOutput([s]))
+                    part_exc = None
+                except Exception as e:  # noqa: BLE001
+                    part_exc = e
+            if part_exc is not None:
+                logger.error("request %s failed: %s", rid, "".join(traceback.format_exception(part_exc)))
+                failed[rid] = f"{type(part_exc).__name__}: {part_exc}"
+                continue
+            for name in ("sampled", "logprobs", "prompt_logprobs", "num_accepted"):
+                getattr(merged, name).update(getattr(part, name))
+        return merged, failed
+
+    def _fail(self, req: Request, message: str) -> None:
+        """A request that raised inside the engine: it and its siblings (n > 1) finish with an error."""
+        parent = self._parents[self._child_parent[req.request_id]]
+        parent.error = message
+        for child in parent.children:
+            if not child.is_finished:
+                child.status = RequestStatus.FINISHED_ABORTED
+            self.scheduler.finish(child)
+
     def _parent_output(self, parent_id: str) -> RequestOutput:
         parent = self._parents[parent_id]
         outputs = [self.output.completion(req, i) for i, req in enumerate(parent.children)]
@@ -233,6 +278,7 @@ class LLMEngine:
             prompt_logprobs=parent.children[0].prompt_logprobs,
             outputs=outputs,
             finished=finished,
+            error=parent.error,
         )
 
     def stats(self) -> dict:

@@ -8,6 +8,8 @@ synchronise a single time.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +27,11 @@ from verispec.sample.processors import apply_processors
 from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.sample.sampler import sample
 from verispec.spec_decode.rejection import verify
+
+
+def _contains_run(ids: list[int], run: list[int]) -> bool:
+    n = len(run)
+    return any(ids[i : i + n] == run for i, t in enumerate(ids) if t == run[0])
 
 
 @dataclass(slots=True)
@@ -117,6 +124,11 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
         self.drafter = None  # a model-based drafter drafts inside the step, before the verify forward
+        # Test hook for crash isolation: a step whose batch feeds this run of token ids raises, as
+        # a model error would. Read once from the environment so a server's core process can be
+        # armed; a run of several ids keeps random (fuzzed) prompts from tripping it by chance.
+        fault = os.environ.get("VERISPEC_FAULT_INJECT_TOKENS")
+        self.fault_tokens: list[int] | None = [int(t) for t in fault.split(",")] if fault else None
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         batch = FlatBatch([], [], [], [], [], [], [], [], [], [])
@@ -165,6 +177,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.draft(self, sched.scheduled)
         batch = self.build_batch(sched)
+        if self.fault_tokens is not None and _contains_run(batch.input_ids, self.fault_tokens):
+            raise RuntimeError(f"injected fault: tokens {self.fault_tokens} in the batch (VERISPEC_FAULT_INJECT_TOKENS)")
         dev = self.device
         meta = build_attention_metadata(batch.spans, self.pool.block_size, dev, self.model.dtype)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)

@@ -56,6 +56,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="requests admitted at once; more get 503 with Retry-After")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt accepted (default: the context length less one)")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -145,6 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine=engine, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_n=args.max_n,
         max_pending_requests=args.max_pending_requests, max_request_bytes=args.max_request_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
     run_server(config, log_level=args.log_level)
     return 0

@@ -48,6 +48,7 @@ class ServerConfig:
     # Requests admitted but not finished; beyond this the server answers 503 with Retry-After.
     max_pending_requests: int = 256
     max_request_bytes: int = 8 << 20
+    max_prompt_tokens: int | None = None  # None: the context length less one generated token
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -106,6 +107,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             model_aliases=frozenset({name, model_path, config.engine.model or name}), metrics=metrics,
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_logprobs=ready.max_logprobs,
             max_n=config.max_n,
+            max_prompt_tokens=min(config.max_prompt_tokens or ready.max_model_len - 1, ready.max_model_len - 1),
         )
         metrics.update_engine(client.stats)
         logger.info("serving %s (engine core pid %d) on http://%s:%d", name, ready.pid, config.host, config.port)
@@ -156,17 +158,21 @@ def build_app(config: ServerConfig) -> FastAPI:
                                type_="AuthenticationError")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-    errors = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+    errors = {status: {"model": ErrorResponse} for status in (400, 401, 413, 503)}
+    # With "stream": true the answer is server-sent events, not JSON.
+    streams = {**errors, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
-    @v1.post("/completions", response_model=CompletionResponse, responses=errors)
+    @v1.post("/completions", response_model=CompletionResponse, responses=streams)
     async def completions(body: CompletionRequest, request: Request):
         ctx = _ctx(request)
-        _admit(ctx, config, 1)
+        # Each prompt of a batch is its own engine request and counts against the pending limit.
+        many = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+        _admit(ctx, config, len(body.prompt) if many else 1)
         if body.stream:
             return StreamingResponse(stream_completion(ctx, body), media_type="text/event-stream")
         return await until_disconnect(request, create_completion(ctx, body))
 
-    @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=errors)
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=streams)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ctx = _ctx(request)
         _admit(ctx, config, 1)
@@ -174,7 +180,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             return StreamingResponse(stream_chat(ctx, body), media_type="text/event-stream")
         return await until_disconnect(request, create_chat(ctx, body))
 
-    @v1.get("/models", response_model=ModelList)
+    @v1.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def models(request: Request):
         ctx = _ctx(request)
         return ModelList(data=[ModelCard(id=ctx.model_name, root=str(config.engine.model or ctx.model_name),
@@ -192,7 +198,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             return JSONResponse(body.model_dump(), status_code=503)
         return HealthResponse(status="ok", engine_core_pid=client.core_pid)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics(request: Request):
         metrics.core_dead = _ctx(request).client.dead
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -213,7 +219,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         ctx.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=ctx.detokenize(body.tokens))
 
-    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses={404: {"model": ErrorResponse}})
     async def tokenizer_info(request: Request):
         ctx = _ctx(request)
         tok = ctx.tokenizer

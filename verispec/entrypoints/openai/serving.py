@@ -59,6 +59,7 @@ class ServingContext:
     vocab_size: int
     max_logprobs: int
     max_n: int = 16
+    max_prompt_tokens: int | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def token_text(self, token_id: int) -> str:
@@ -78,6 +79,12 @@ class ServingContext:
     def check_prompt_len(self, num_tokens: int, max_tokens: int | None, param: str) -> None:
         if num_tokens == 0:
             raise RequestError(f"{param} must not be empty", param)
+        # A server-set cap below the context gets its own message; the context check follows.
+        limit = self.max_prompt_tokens
+        if limit is not None and limit < self.max_model_len - 1 and num_tokens > limit:
+            raise RequestError(
+                f"the {param} has {num_tokens} tokens; this server accepts at most {self.max_prompt_tokens}", param
+            )
         if num_tokens >= self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the {param} has "
