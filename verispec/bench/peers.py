@@ -6,18 +6,29 @@ forbidden so that every system produces exactly `max_tokens` tokens per prompt. 
 `min_new_tokens` masks EOS, llama.cpp always stops at an end-of-generation token, so verispec
 uses `min_tokens` (same masking) instead of bare `ignore_eos`, which would let it emit EOS and keep
 going and make its ids diverge from HF's after the first EOS.
+
+Every system has a "plain" variant and a "spec" one: speculative decoding with prompt lookup,
+each system's own implementation, all drafting the same number of tokens (`SPEC_K`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import subprocess
-import sys
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from verispec.bench.prompts import Prompt
+
+# Draft tokens per step for every prompt-lookup variant. k=5 is verispec's best drafter on the
+# extractive categories of the speculative sweep (docs/benchmarks.md); the peers draft as many,
+# so the systems differ in how they verify, not in how much they guess.
+SPEC_K = 5
+PLAIN, SPEC = "plain", "spec"
 
 
 class PeerUnavailable(RuntimeError):
@@ -29,6 +40,12 @@ class Generation:
     texts: list[str]
     token_ids: list[list[int]] | None  # None where the system's ids are not verispec's vocabulary/view
     lengths: list[int]  # tokens actually produced per prompt
+    # Speculative variants: verify steps that carried a draft, and the tokens those steps emitted
+    # (accepted drafts + the target's own token). Their ratio is the mean acceptance length.
+    spec_steps: int | None = None
+    spec_tokens: int | None = None
+    # Logprob of each generated token (per prompt), where the system was asked for them.
+    logprobs: list[list[float]] | None = None
 
 
 class System(Protocol):
@@ -36,9 +53,29 @@ class System(Protocol):
     label: str
     compare: str  # "ids" or "text": what its output is compared to verispec's on
 
-    def generate(self, prompts: list[Prompt], max_tokens: int) -> Generation: ...
+    def variant_label(self, variant: str) -> str: ...
+
+    def generate(self, prompts: list[Prompt], max_tokens: int, variant: str = PLAIN,
+                 logprobs: int | None = None) -> Generation: ...
 
     def close(self) -> None: ...
+
+
+def acceptance_from_lengths(calls: list[tuple[int, int]], final_length: int) -> tuple[int, int]:
+    """(steps with a draft, tokens those steps emitted) from a drafter's call log.
+
+    Peers do not report acceptance, but their drafters are called once per verify step with the
+    sequence so far: `calls` holds (sequence length at the call, draft tokens proposed). The
+    sequence growth up to the next call (or to `final_length` after the last) is what that step
+    emitted.
+    """
+    steps = tokens = 0
+    ends = [length for length, _ in calls[1:]] + [final_length]
+    for (length, drafted), end in zip(calls, ends):
+        if drafted > 0:
+            steps += 1
+            tokens += end - length
+    return steps, tokens
 
 
 # ------------------------------------------------------------------------------- verispec
@@ -50,48 +87,166 @@ class VerispecSystem:
 
         # No arguments: the bundled default model in fp32, on torch's thread count (set by the runner).
         self.llm = LLM()
+        self.spec_llm: Any = None
 
-    def generate(self, prompts: list[Prompt], max_tokens: int, logprobs: int | None = None) -> Generation:
+    def variant_label(self, variant: str) -> str:
+        return self.label if variant == PLAIN else f"{self.label} + ngram k={SPEC_K}"
+
+    def _engine(self, variant: str) -> Any:
+        if variant == PLAIN:
+            return self.llm
+        if self.spec_llm is None:
+            from verispec import LLM
+
+            # The best drafter of the sweep; batch 1 needs a small KV pool, not the default one.
+            self.spec_llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": SPEC_K},
+                                num_kv_blocks=256)
+        return self.spec_llm
+
+    def generate(self, prompts: list[Prompt], max_tokens: int, variant: str = PLAIN,
+                 logprobs: int | None = None) -> Generation:
         from verispec import SamplingParams
 
+        llm = self._engine(variant)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=logprobs)
-        outs = self.llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params, use_tqdm=False)
+        before = llm.stats()
+        outs = llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params, use_tqdm=False)
+        after = llm.stats()
         seqs = [o.outputs[0] for o in outs]
         ids = [list(s.token_ids) for s in seqs]
-        return Generation([s.text for s in seqs], ids, [len(i) for i in ids])
+        gen = Generation([s.text for s in seqs], ids, [len(i) for i in ids])
+        if variant == SPEC:
+            gen.spec_steps = after["num_drafts"] - before["num_drafts"]
+            gen.spec_tokens = gen.spec_steps + after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        if logprobs is not None:
+            gen.logprobs = [[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs or [])] for s in seqs]
+        return gen
 
     def close(self) -> None:
-        del self.llm
+        self.llm = self.spec_llm = None
 
 
 # ------------------------------------------------------------------------------------- HF
+def _cache_root() -> Path:
+    # The same place verispec caches its converted tokenizer (verispec.models.loader).
+    root = os.environ.get("VERISPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec")
+    return Path(root)
+
+
+def load_hf_model(model_path: str) -> Any:
+    """HF's own GGUF conversion of the model, saved once as safetensors and reloaded from there.
+
+    transformers' GGUF reader spends ~20 s parsing metadata on this file (the weights take 1 s);
+    caching its output keeps `--quick` quick without changing what HF computes: the cached
+    weights are exactly the ones its converter produced. Keyed by the file's path, size and mtime.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    stat = os.stat(model_path)
+    key = hashlib.sha256(f"{os.path.realpath(model_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    cached = _cache_root() / "bench-hf" / key[:16]
+    if (cached / "config.json").exists():
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
+        except Exception:  # noqa: BLE001, S110 - a damaged cache entry is rebuilt below
+            pass
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32).eval()
+    try:
+        _save_plain(model, cached)
+    except OSError:  # a read-only home only makes the next run slower
+        pass
+    return model
+
+
+def _save_plain(model: Any, cached: Path) -> None:
+    """Save a GGUF-loaded HF model as an ordinary fp32 checkpoint.
+
+    save_pretrained refuses (the model is flagged as GGUF-quantized although its weights are
+    already dequantized), so the config goes out without its quantization entry and the weights
+    through safetensors' save_model, which handles the tied embedding/lm_head pair.
+    """
+    import json
+
+    from safetensors.torch import save_model
+
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    # config.json last: its presence marks a complete entry.
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if cached.exists():  # another run got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, cached)
+
+
+@contextmanager
+def _count_lookup_calls(calls: list[tuple[int, int]]) -> Iterator[None]:
+    """Log HF's prompt-lookup drafter calls (sequence length, draft length) for the acceptance length.
+
+    HF builds its candidate generator inside `generate`, out of reach, so the class method is
+    wrapped for the duration of one call. If transformers moves it, acceptance reads "-".
+    """
+    try:
+        from transformers.generation.candidate_generator import (
+            PromptLookupCandidateGenerator as Gen,
+        )
+    except ImportError:
+        yield
+        return
+    original = Gen.get_candidates
+
+    def counting(self: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, input_ids, *args, **kwargs)
+        calls.append((int(input_ids.shape[1]), int(out[0].shape[1] - input_ids.shape[1])))
+        return out
+
+    Gen.get_candidates = counting
+    try:
+        yield
+    finally:
+        Gen.get_candidates = original
+
+
 class HFSystem:
     key, label, compare = "hf", "HF transformers", "ids"
 
     def __init__(self, model_path: str, tokenizer: Any) -> None:
         try:
             import torch
-            from transformers import AutoModelForCausalLM
             from transformers.utils import logging as hf_logging
         except ImportError as exc:
-            raise PeerUnavailable(f"transformers is not installed ({exc}); `pip install transformers`") from exc
+            raise PeerUnavailable(f"transformers is not installed ({exc}); `{PEERS['hf'].install}`") from exc
         # Its GGUF conversion bar and generation-flag warnings would drown the benchmark's own output.
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.torch = torch
         self.tokenizer = tokenizer
-        self.model = AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
-        ).eval()
+        self.model = load_hf_model(model_path)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def generate(self, prompts: list[Prompt], max_tokens: int) -> Generation:
+    def variant_label(self, variant: str) -> str:
+        return self.label if variant == PLAIN else f"{self.label} + prompt lookup"
+
+    def generate(self, prompts: list[Prompt], max_tokens: int, variant: str = PLAIN,
+                 logprobs: int | None = None) -> Generation:
         torch = self.torch
         # One left-padded batch: decoder-only models must have every row end at the same column.
         width = max(len(p.ids) for p in prompts)
         rows = [[self.pad] * (width - len(p.ids)) + p.ids for p in prompts]
         mask = [[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts]
-        with torch.inference_mode():
+        extra: dict[str, Any] = {}
+        if variant == SPEC:
+            if len(prompts) != 1:
+                raise ValueError("HF assisted generation runs one sequence at a time")
+            extra["prompt_lookup_num_tokens"] = SPEC_K
+        calls: list[tuple[int, int]] = []
+        with torch.inference_mode(), _count_lookup_calls(calls):
             out = self.model.generate(
                 input_ids=torch.tensor(rows),
                 attention_mask=torch.tensor(mask),
@@ -99,98 +254,26 @@ class HFSystem:
                 max_new_tokens=max_tokens,
                 min_new_tokens=max_tokens,
                 pad_token_id=self.pad,
+                **extra,
             )
         ids = [row.tolist() for row in out[:, width:]]
         texts = [self.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
-        return Generation(texts, ids, [len(i) for i in ids])
+        gen = Generation(texts, ids, [len(i) for i in ids])
+        if variant == SPEC and calls:
+            gen.spec_steps, gen.spec_tokens = acceptance_from_lengths(calls, int(out.shape[1]))
+        return gen
+
+    def token_logprobs(self, prompt_ids: list[int], gen_ids: list[int]) -> list[float]:
+        """HF's log_softmax at each generated token, from one forward over prompt + generated tokens."""
+        torch = self.torch
+        seq = torch.tensor([prompt_ids + gen_ids[:-1]])
+        with torch.inference_mode():
+            logits = self.model(input_ids=seq).logits[0, len(prompt_ids) - 1:].float()
+        picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(gen_ids)[:, None])
+        return picked[:, 0].tolist()
 
     def close(self) -> None:
-        del self.model
-
-
-# ------------------------------------------------------------------------------ llama.cpp
-_AMX_PROBE = (
-    "import sys, llama_cpp\n"
-    "m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False)\n"
-    "m.create_completion(' hello' * 64, max_tokens=2)\n"
-)
-
-
-def _amx_kernels_work(model_path: str) -> bool:
-    """Whether llama.cpp's AMX kernels run here; checked in a child because failure is SIGILL.
-
-    Some VMs advertise AMX in CPUID without enabling its register state, and ggml then dies with
-    an illegal instruction in its first prompt matmul (one-token prompts take another kernel, so
-    the probe's prompt is long). Only CPUs that advertise AMX need the probe.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            if "amx_tile" not in f.read():
-                return True
-    except OSError:
-        return True
-    try:
-        res = subprocess.run(
-            [sys.executable, "-c", _AMX_PROBE, model_path], capture_output=True, timeout=120, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return False
-    return res.returncode == 0
-
-
-class LlamaCppSystem:
-    key, label, compare = "llamacpp", "llama.cpp", "text"
-
-    def __init__(self, model_path: str, threads: int, log: Callable[[str], None]) -> None:
-        try:
-            import llama_cpp
-            import llama_cpp.llama as llama_module
-        except ImportError as exc:
-            raise PeerUnavailable(
-                f"llama-cpp-python is not installed ({exc}); `pip install llama-cpp-python`"
-            ) from exc
-        self.llama_cpp = llama_cpp
-        kwargs: dict[str, Any] = {
-            "model_path": model_path, "n_ctx": 2048, "n_threads": threads, "verbose": False, "seed": 0
-        }
-        if _amx_kernels_work(model_path):
-            self.llm = llama_cpp.Llama(**kwargs)
-        else:
-            log("llama.cpp: AMX kernels crash on this CPU (advertised, not enabled); using its AVX kernels")
-            # Llama() has no switch for extra buffer types, so patch its default model params briefly.
-            original = llama_module.llama_cpp.llama_model_default_params
-
-            def without_extra_bufts() -> Any:
-                params = original()
-                params.use_extra_bufts = False
-                return params
-
-            llama_module.llama_cpp.llama_model_default_params = without_extra_bufts
-            try:
-                self.llm = llama_cpp.Llama(**kwargs)
-            finally:
-                llama_module.llama_cpp.llama_model_default_params = original
-        vocab = self.llm._model.vocab
-        # Forbid every end-of-generation token: llama.cpp stops on any of them, not just EOS.
-        self.no_eog = {
-            t: float("-inf") for t in range(self.llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, t)
-        }
-
-    def generate(self, prompts: list[Prompt], max_tokens: int) -> Generation:
-        texts, lengths = [], []
-        for p in prompts:  # no batching in llama-cpp-python: one request after another
-            # Drop the cached prefix: the other systems recompute every prompt, so must this one.
-            self.llm.reset()
-            res = self.llm.create_completion(
-                p.text, max_tokens=max_tokens, temperature=0.0, top_k=1, repeat_penalty=1.0, logit_bias=self.no_eog
-            )
-            texts.append(res["choices"][0]["text"])
-            lengths.append(int(res["usage"]["completion_tokens"]))
-        return Generation(texts, None, lengths)
-
-    def close(self) -> None:
-        self.llm.close()
-        del self.llm
+        self.model = None
 
 
 @dataclass(slots=True)
@@ -211,5 +294,7 @@ def load_system(key: str, model_path: str, threads: int, tokenizer: Any, log: Ca
     if key == "hf":
         return HFSystem(model_path, tokenizer)
     if key == "llamacpp":
+        from verispec.bench.llamacpp import LlamaCppSystem
+
         return LlamaCppSystem(model_path, threads, log)
     raise ValueError(f"unknown system {key!r}; choose from verispec, {', '.join(PEERS)}")

@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from verispec.bench.texts import (
+    EXTRA_DOCS,
+    EXTRACTIVE_INSTRUCTION,
+    LONG_QUESTION,
+    REPORT,
+)
+
 # Sixteen different questions of varied length, so the batch scenario's sequences really differ
 # (distinct prompt lengths exercise padding in HF and ragged batching in verispec).
 QUESTIONS: tuple[str, ...] = (
@@ -38,17 +45,37 @@ class Prompt:
     ids: list[int]  # the same text, tokenized
 
 
+def _render(tokenizer: Any, question: str, content: str) -> Prompt:
+    messages = [{"role": "user", "content": content}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    # transformers 5 returns a BatchEncoding here; 4.x returned a plain list.
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return Prompt(question=question, text=text, ids=[int(t) for t in ids])
+
+
 def chat_prompts(tokenizer: Any, count: int) -> list[Prompt]:
     """The first `count` questions, each wrapped in the chat template as a user turn."""
     if not 1 <= count <= len(QUESTIONS):
         raise ValueError(f"count must be in [1, {len(QUESTIONS)}]; got {count}")
-    out = []
-    for question in QUESTIONS[:count]:
-        messages = [{"role": "user", "content": question}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        # transformers 5 returns a BatchEncoding here; 4.x returned a plain list.
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        out.append(Prompt(question=question, text=text, ids=[int(t) for t in ids]))
-    return out
+    return [_render(tokenizer, q, q) for q in QUESTIONS[:count]]
+
+
+def extractive_prompt(tokenizer: Any) -> Prompt:
+    """One long summarization prompt (about 630 tokens) whose answer copies the source's wording."""
+    return _render(tokenizer, "extractive summary", EXTRACTIVE_INSTRUCTION + "\n\n" + "\n\n".join(REPORT))
+
+
+def long_prompt(tokenizer: Any, target_tokens: int) -> Prompt:
+    """A reading prompt of at least `target_tokens` tokens (whole paragraphs, so the text stays natural)."""
+    if target_tokens < 1:
+        raise ValueError(f"target_tokens must be >= 1; got {target_tokens}")
+    paragraphs = [*REPORT, *EXTRA_DOCS]
+    docs: list[str] = []
+    # Grow paragraph by paragraph; one more paragraph is at most ~150 tokens past the target.
+    while True:
+        docs.append(paragraphs[len(docs) % len(paragraphs)])
+        prompt = _render(tokenizer, "long prompt", "\n\n".join(docs) + "\n\n" + LONG_QUESTION)
+        if len(prompt.ids) >= target_tokens:
+            return prompt

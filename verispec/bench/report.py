@@ -1,4 +1,4 @@
-"""Benchmark results: the dataclasses, the stdout table, bench.json and the bench.png chart."""
+"""Benchmark results: the Result rows, ratios, the stdout/Markdown tables and bench.json."""
 
 from __future__ import annotations
 
@@ -13,21 +13,31 @@ from typing import Any
 
 # Above this many cores used by other processes during a run, the table marks the figure "busy".
 BUSY_CORES = 0.25
+THROUGHPUT, TTFT = "tok/s", "ttft"
 
 
 @dataclass(slots=True)
 class Result:
-    """One system on one scenario: `runs` timed runs after an untimed warm-up."""
+    """One system (in one variant) on one scenario: `runs` timed runs after an untimed warm-up."""
 
     system: str  # key: verispec, hf, llamacpp
-    label: str
+    label: str  # e.g. "verispec + ngram k=5"
     scenario: str
     prompts: int
     max_tokens: int
+    variant: str = "plain"  # plain or spec
+    metric: str = THROUGHPUT  # tok/s, or ttft (time to the first token; max_tokens is 1)
+    prompt_tokens: int = 0  # tokens in the longest prompt
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # tokens produced in each run
-    equal: str = "n/a"  # same greedy output as verispec: reference / yes / no (k/n) / n/a
+    equal: str = "n/a"  # same greedy output as verispec's plain run: reference / yes / no (k/n) / n/a
     short: int = 0  # prompts that produced fewer than max_tokens tokens (should stay 0)
+    # Speculative variants, summed over the timed runs: verify steps that carried a draft and the
+    # tokens they emitted. None where the system is not speculating or does not say.
+    spec_steps: int | None = None
+    spec_tokens: int | None = None
+    # verispec rows: max |logprob - HF's log_softmax| over the generated tokens (untimed check run).
+    logprob_diff: float | None = None
     # CPU cores other processes kept busy during each run; on a small machine even one busy core
     # slows torch's thread pool by far more than its share, so a high value marks a suspect figure.
     others_load: list[float] = field(default_factory=list)
@@ -40,10 +50,35 @@ class Result:
     def median(self) -> float:
         return statistics.median(self.tok_s)
 
+    @property
+    def ttft_ms(self) -> list[float]:
+        return [1000.0 * s for s in self.seconds]
+
+    @property
+    def acceptance(self) -> float | None:
+        """Mean acceptance length: tokens per verify step that carried a draft."""
+        if self.spec_steps is None or self.spec_tokens is None:
+            return None
+        return self.spec_tokens / self.spec_steps if self.spec_steps else 1.0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.others_load) and max(self.others_load) > BUSY_CORES
+
+    def score(self) -> float:
+        """The figure compared across systems, larger = better: median tok/s, or 1/median TTFT."""
+        if self.metric == TTFT:
+            return 1.0 / statistics.median(self.seconds)
+        return self.median
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         rates = self.tok_s
-        out.update(tok_s_median=self.median, tok_s_min=min(rates), tok_s_max=max(rates), tok_s_runs=rates)
+        out.update(tok_s_median=self.median, tok_s_min=min(rates), tok_s_max=max(rates), tok_s_runs=rates,
+                   mean_acceptance_length=self.acceptance)
+        if self.metric == TTFT:
+            ms = self.ttft_ms
+            out.update(ttft_ms_median=statistics.median(ms), ttft_ms_min=min(ms), ttft_ms_max=max(ms))
         return out
 
 
@@ -82,35 +117,29 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
 
 
-def ratios(results: list[Result]) -> dict[str, dict[str, float]]:
-    """verispec's median tok/s divided by each peer's, per scenario (>1: verispec is faster)."""
+def ratios(results: list[Result], headline: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
+    """Per scenario, verispec's headline row over every other row (>1: verispec is better).
+
+    The headline is verispec's plain row, or the variant named in `headline` for that scenario
+    (the speculative one where the scenario is about speculation). For TTFT the ratio is the
+    row's time over verispec's, so >1 still means verispec is better.
+    """
+    headline = headline or {}
+    ref = {r.scenario: r for r in results
+           if r.system == "verispec" and r.tokens and r.variant == headline.get(r.scenario, "plain")}
     out: dict[str, dict[str, float]] = {}
-    ref = {r.scenario: r.median for r in results if r.system == "verispec" and r.tokens}
     for r in results:
-        if r.system != "verispec" and r.tokens and r.scenario in ref:
-            out.setdefault(r.scenario, {})[r.system] = ref[r.scenario] / r.median
+        base = ref.get(r.scenario)
+        if base is not None and r.tokens and r is not base:
+            out.setdefault(r.scenario, {})[r.label] = base.score() / r.score()
     return out
 
 
-def format_table(results: list[Result], markdown: bool = False) -> str:
-    rel = ratios(results)
-    head = ["scenario", "system", "tok/s", "min", "max", "verispec / system", "same output as verispec", "other load"]
-    rows = []
-    for r in results:
-        if not r.tokens:
-            continue
-        rates = r.tok_s
-        ratio = rel.get(r.scenario, {}).get(r.system)
-        rows.append([
-            r.scenario,
-            r.label,
-            f"{r.median:.1f}",
-            f"{min(rates):.1f}",
-            f"{max(rates):.1f}",
-            "-" if ratio is None else f"{ratio:.2f}x",
-            r.equal + (f", {r.short} short" if r.short else ""),
-            f"{max(r.others_load):.2f}" + (" (busy)" if max(r.others_load) > BUSY_CORES else "") if r.others_load else "?",
-        ])
+def _load_cell(r: Result) -> str:
+    return f"{max(r.others_load):.2f}" + (" (busy)" if r.busy else "") if r.others_load else "?"
+
+
+def _render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -122,69 +151,72 @@ def format_table(results: list[Result], markdown: bool = False) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(row) for row in rows])
 
 
-def format_ratios(results: list[Result]) -> str:
-    labels = {r.system: r.label for r in results}
+def format_table(results: list[Result], markdown: bool = False, headline: dict[str, str] | None = None) -> str:
+    """Throughput rows (every scenario but TTFT)."""
+    rel = ratios(results, headline)
+    head = ["scenario", "system", "tok/s", "min", "max", "verispec / system", "same output as verispec",
+            "mean acceptance length", "max |logprob diff| vs HF", "other load"]
+    rows = []
+    for r in results:
+        if not r.tokens or r.metric != THROUGHPUT:
+            continue
+        rates = r.tok_s
+        ratio = rel.get(r.scenario, {}).get(r.label)
+        rows.append([
+            r.scenario,
+            r.label,
+            f"{r.median:.1f}",
+            f"{min(rates):.1f}",
+            f"{max(rates):.1f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            r.equal + (f", {r.short} short" if r.short else ""),
+            "-" if r.acceptance is None else f"{r.acceptance:.2f}",
+            "-" if r.logprob_diff is None else f"{r.logprob_diff:.1e}",
+            _load_cell(r),
+        ])
+    return _render(head, rows, markdown)
+
+
+def format_ttft_table(results: list[Result], markdown: bool = False) -> str:
+    """Time-to-first-token rows; empty string if the scenario did not run."""
+    rel = ratios(results)
+    head = ["system", "prompt tokens", "TTFT ms", "min", "max", "prefill tok/s", "system TTFT / verispec TTFT",
+            "same first token as verispec", "other load"]
+    rows = []
+    for r in results:
+        if not r.tokens or r.metric != TTFT:
+            continue
+        ms = r.ttft_ms
+        ratio = rel.get(r.scenario, {}).get(r.label)
+        median_ms = statistics.median(ms)
+        rows.append([
+            r.label,
+            str(r.prompt_tokens),
+            f"{median_ms:.0f}",
+            f"{min(ms):.0f}",
+            f"{max(ms):.0f}",
+            f"{r.prompt_tokens / (median_ms / 1000):.0f}",
+            "-" if ratio is None else f"{ratio:.2f}x",
+            r.equal,
+            _load_cell(r),
+        ])
+    return _render(head, rows, markdown) if rows else ""
+
+
+def format_ratios(results: list[Result], headline: dict[str, str] | None = None) -> str:
+    labels = {(r.scenario, r.variant): r.label for r in results if r.system == "verispec"}
     lines = []
-    for scenario, per_peer in ratios(results).items():
-        parts = [f"verispec/{labels[k]} = {v:.2f}x" for k, v in per_peer.items()]
+    for scenario, per_row in ratios(results, headline).items():
+        ref = labels.get((scenario, (headline or {}).get(scenario, "plain")), "verispec")
+        parts = [f"{ref} / {label} = {v:.2f}x" for label, v in per_row.items()]
         lines.append(f"{scenario}: " + ", ".join(parts))
     return "\n".join(lines)
 
 
-def write_json(path: Path, machine: dict[str, Any], config: dict[str, Any], results: list[Result],
-               skipped: dict[str, str], errors: dict[str, str]) -> None:
+def write_json(path: Path, doc: dict[str, Any], results: list[Result], headline: dict[str, str]) -> None:
     doc = {
-        "machine": machine,
-        "config": config,
+        **doc,
         "results": [r.to_json() for r in results if r.tokens],
-        "ratios_verispec_over_peer": ratios(results),
-        "skipped": skipped,
-        "errors": errors,
+        "ratios_verispec_over_row": ratios(results, headline),
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
-
-
-def plot(path: Path, results: list[Result], machine: dict[str, Any], max_tokens: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: render straight to the PNG
-    import matplotlib.pyplot as plt
-
-    done = [r for r in results if r.tokens]
-    scenarios = list(dict.fromkeys(r.scenario for r in done))
-    systems = list(dict.fromkeys(r.system for r in done))
-    labels = {r.system: r.label for r in done}
-    width = 0.8 / max(1, len(systems))
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    for i, system in enumerate(systems):
-        xs, ys, lo, hi, busy = [], [], [], [], []
-        for j, scenario in enumerate(scenarios):
-            r = next((r for r in done if r.system == system and r.scenario == scenario), None)
-            if r is None:
-                continue
-            rates = r.tok_s
-            xs.append(j + (i - (len(systems) - 1) / 2) * width)
-            ys.append(r.median)
-            lo.append(r.median - min(rates))
-            hi.append(max(rates) - r.median)
-            busy.append(bool(r.others_load) and max(r.others_load) > BUSY_CORES)
-        bars = ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=labels[system])
-        for bar, suspect in zip(bars, busy):
-            if suspect:  # measured while other processes took CPU: show it, don't hide it
-                bar.set_hatch("//")
-        ax.bar_label(bars, fmt=lambda v: f"{v:.0f}" if v >= 10 else f"{v:.1f}", padding=2, fontsize=8)
-    ax.set_xticks(range(len(scenarios)), scenarios)
-    ax.set_ylabel("generated tokens / s (median, min-max)")
-    note = ""
-    if any(r.others_load and max(r.others_load) > BUSY_CORES for r in done):
-        note = " (hatched: other processes were busy)"
-    ax.set_title(
-        f"SmolLM2-135M-Instruct, greedy, {max_tokens} new tokens\n"
-        f"{machine['cpu']}, {machine['torch_threads']} threads{note}",
-        fontsize=9,
-    )
-    for handle in ax.legend().legend_handles:
-        handle.set_hatch("")  # the legend shows systems; hatching is per bar
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)

@@ -1,9 +1,10 @@
-"""`verispec bench`: tok/s of verispec against HF transformers and llama.cpp on the bundled model.
+"""`verispec bench`: verispec against HF transformers and llama.cpp on the bundled model, in one run.
 
-All systems run the same chat prompts on SmolLM2-135M-Instruct, greedy, with exactly
+All systems run the same prompts (same token ids) on SmolLM2-135M-Instruct, greedy, with exactly
 `max_tokens` new tokens per prompt, one system loaded at a time (so they never compete for the
-cores). Each figure is the median of `runs` timed runs after one untimed warm-up; the table also
-says whether each peer's greedy output equals verispec's.
+cores). Each figure is the median of `runs` timed runs after one untimed warm-up. The tables say
+whether each output equals verispec's plain greedy output, the mean acceptance length of the
+speculative variants, and how far verispec's logprobs are from HF's for the same tokens.
 """
 
 from __future__ import annotations
@@ -15,30 +16,42 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.peers import PEERS, Generation, PeerUnavailable, System, load_system
-from verispec.bench.prompts import Prompt, chat_prompts
-from verispec.bench.spec import format_spec_table, plot_spec, run_sweep, spec_json
+from verispec.bench.peers import (
+    PEERS,
+    PLAIN,
+    Generation,
+    PeerUnavailable,
+    System,
+    load_system,
+)
+from verispec.bench.plot import plot
+from verispec.bench.prompts import Prompt
 from verispec.bench.report import (
     BUSY_CORES,
     Result,
     format_ratios,
     format_table,
+    format_ttft_table,
     machine_info,
-    plot,
     write_json,
 )
+from verispec.bench.scenarios import (
+    ALL_SCENARIOS,
+    SCENARIOS,
+    SPEC_SCENARIO,
+    Scenario,
+    build_prompts,
+    compare,
+    headlines,
+    max_abs_diff,
+)
+from verispec.bench.spec import format_spec_table, plot_spec, run_sweep, spec_json
+from verispec.bench.targets import evaluate, format_targets
 
-# Scenario name -> number of distinct prompts submitted at once.
-SCENARIOS: dict[str, int] = {"single": 1, "batch16": 16, "batch16_logprobs": 16}
-# The speculative sweep (verispec only, its own prompt set): see verispec/bench/spec.py.
-SPEC_SCENARIO = "spec"
-# verispec-only scenarios and the SamplingParams extras they add: the cost of logprobs=20 is
-# read against verispec's own batch16 figure from the same run.
-VERISPEC_ONLY: dict[str, dict[str, int]] = {"batch16_logprobs": {"logprobs": 20}}
 DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
 QUICK_MAX_TOKENS, QUICK_RUNS = 32, 1
 # The warm-up only has to touch every code path (prefill, decode, allocator, thread pools), not
@@ -57,6 +70,24 @@ class BenchConfig:
     threads: int | None
 
 
+@dataclass(slots=True)
+class LogprobCheck:
+    """An untimed verispec run with logprobs=1, waiting for HF's reference logprobs."""
+
+    result: Result
+    prompts: list[Prompt]
+    gen: Generation
+
+
+@dataclass(slots=True)
+class RunState:
+    results: list[Result] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    refs: dict[str, Generation] = field(default_factory=dict)  # verispec plain output per scenario
+    checks: list[LogprobCheck] = field(default_factory=list)
+
+
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
@@ -67,12 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", default="hf,llamacpp",
                         help=f"comma list of peers to compare with: {','.join(PEERS)}, or 'none' (default: %(default)s)")
     parser.add_argument("--out", default="bench-out", metavar="DIR",
-                        help="where bench.json and bench.png go (default: %(default)s)")
+                        help="where bench.json, bench.md and bench.png go (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS}; {QUICK_MAX_TOKENS} with --quick)")
     parser.add_argument("--runs", type=int, default=None,
                         help=f"timed runs per figure, median reported (default {DEFAULT_RUNS}; {QUICK_RUNS} with --quick)")
-    parser.add_argument("--scenarios", default=",".join([*SCENARIOS, SPEC_SCENARIO]),
+    parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS),
                         help="comma list of scenarios (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for every system (default: torch's default, normally all cores)")
@@ -86,7 +117,7 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
     quick = bool(getattr(args, "quick", False))
     peers = _split(getattr(args, "peers", "hf,llamacpp") or "")
     peers = [] if peers == ["none"] else peers
-    scenarios = _split(getattr(args, "scenarios", None) or ",".join([*SCENARIOS, SPEC_SCENARIO]))
+    scenarios = _split(getattr(args, "scenarios", None) or ",".join(ALL_SCENARIOS))
     # None means "not given": --quick changes the defaults but never an explicit value (0 included,
     # which is then rejected below rather than silently replaced).
     max_tokens = getattr(args, "max_tokens", None)
@@ -96,8 +127,8 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
     threads = getattr(args, "threads", None)
     if bad := [p for p in peers if p not in PEERS]:
         raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
-    if bad := [s for s in scenarios if s not in SCENARIOS and s != SPEC_SCENARIO]:
-        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join([*SCENARIOS, SPEC_SCENARIO])}")
+    if bad := [s for s in scenarios if s not in ALL_SCENARIOS]:
+        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join(ALL_SCENARIOS)}")
     if not scenarios:
         raise ValueError("--scenarios names no scenario")
     if max_tokens < 1 or runs < 1 or (threads is not None and threads < 1):
@@ -121,56 +152,100 @@ def _self_seconds() -> float:
     return t.user + t.system
 
 
-def _compare(system: System, gen: Generation, ref: Generation | None) -> str:
-    """'yes'/'no (k/n ...)' against verispec's greedy output, or 'n/a' where not comparable."""
-    if system.key == "verispec":
-        return "reference"
-    if ref is None:
-        return "n/a"
-    if system.compare == "ids" and gen.token_ids is not None and ref.token_ids is not None:
-        pairs = list(zip(gen.token_ids, ref.token_ids))
-        same = sum(a == b for a, b in pairs)
-        if same == len(pairs):
-            return "yes (ids)"
-        # Where the first mismatch falls tells a near-tie late in the text from a real bug.
-        first = min(next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y) for a, b in pairs if a != b)
-        return f"no ({same}/{len(pairs)} ids, first diff at token {first})"
-    if system.compare == "text":
-        same = sum(a == b for a, b in zip(gen.texts, ref.texts))
-        return f"{'yes' if same == len(gen.texts) else 'no'} ({same}/{len(gen.texts)} text)"
-    return "n/a"
+def _add(total: int | None, part: int | None) -> int | None:
+    return part if total is None else total if part is None else total + part
 
 
-def _measure(system: System, scenario: str, prompts: list[Prompt], cfg: BenchConfig,
-             refs: dict[str, Generation]) -> Result:
-    res = Result(system.key, system.label, scenario, len(prompts), cfg.max_tokens)
-    extra = VERISPEC_ONLY.get(scenario, {})
-    system.generate(prompts, min(WARMUP_TOKENS, cfg.max_tokens), **extra)  # warm-up, not timed
+def _measure(system: System, sc: Scenario, variant: str, prompts: list[Prompt], cfg: BenchConfig,
+             state: RunState) -> Result:
+    max_tokens = sc.fixed_tokens or cfg.max_tokens
+    label = system.variant_label(variant)
+    res = Result(system.key, label, sc.name, len(prompts), max_tokens, variant=variant, metric=sc.metric,
+                 prompt_tokens=max(len(p.ids) for p in prompts))
+    extra = {"logprobs": sc.logprobs} if sc.logprobs else {}
+    system.generate(prompts, min(WARMUP_TOKENS, max_tokens), variant, **extra)  # warm-up, not timed
     gen: Generation | None = None
     for i in range(cfg.runs):
         busy, mine, start = _busy_seconds(), _self_seconds(), time.perf_counter()
-        gen = system.generate(prompts, cfg.max_tokens, **extra)
+        gen = system.generate(prompts, max_tokens, variant, **extra)
         wall = time.perf_counter() - start
         after = _busy_seconds()
         res.seconds.append(wall)
         res.tokens.append(sum(gen.lengths))
+        res.spec_steps, res.spec_tokens = _add(res.spec_steps, gen.spec_steps), _add(res.spec_tokens, gen.spec_tokens)
         if busy is not None and after is not None:
             # Everyone's CPU time minus ours = what other processes took from the benchmark.
             res.others_load.append(max(0.0, (after - busy) - (_self_seconds() - mine)) / wall)
-        log(f"  {system.label} {scenario} run {i + 1}/{cfg.runs}: {res.tokens[-1]} tokens in {wall:.2f}s = "
+        log(f"  {label} {sc.name} run {i + 1}/{cfg.runs}: {res.tokens[-1]} tokens in {wall:.2f}s = "
             f"{res.tok_s[-1]:.1f} tok/s" + (f", other processes used {res.others_load[-1]:.2f} cores"
                                             if res.others_load else ""))
     assert gen is not None
-    res.short = sum(1 for n in gen.lengths if n < cfg.max_tokens)
-    if system.key == "verispec":
-        refs[scenario] = gen
-    res.equal = _compare(system, gen, refs.get(scenario))
-    log(f"  {system.label} {scenario} first output: {gen.texts[0][:70]!r}")
+    res.short = sum(1 for n in gen.lengths if n < max_tokens)
+    is_ref = system.key == "verispec" and variant == PLAIN
+    if is_ref:
+        state.refs[sc.name] = gen
+    res.equal = compare(system.key, system.compare, gen, state.refs.get(sc.name), is_ref)
+    log(f"  {label} {sc.name} first output: {gen.texts[0][:70]!r}"
+        + (f", acceptance length {res.acceptance:.2f}" if res.acceptance is not None else ""))
     return res
 
 
+def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt]], state: RunState) -> None:
+    for name in cfg.scenarios:
+        sc = SCENARIOS.get(name)
+        if sc is None or (sc.verispec_only and system.key != "verispec"):
+            continue
+        for variant in sc.variants:
+            res = _measure(system, sc, variant, prompts[name], cfg, state)
+            state.results.append(res)
+            if sc.check_logprobs and system.key == "verispec":
+                # Outside the timed runs: logprobs=1 returns the sampled token's logprob.
+                gen = system.generate(prompts[name], cfg.max_tokens, variant, logprobs=1)
+                state.checks.append(LogprobCheck(res, prompts[name], gen))
+    if system.key == "hf":
+        for check in state.checks:
+            # HF's log_softmax of its own logits for verispec's exact token sequence.
+            theirs = [system.token_logprobs(p.ids, ids)  # type: ignore[attr-defined]
+                      for p, ids in zip(check.prompts, check.gen.token_ids or [])]
+            check.result.logprob_diff = max_abs_diff(check.gen.logprobs or [], theirs)
+            log(f"  {check.result.label} {check.result.scenario}: max |logprob - HF| = {check.result.logprob_diff:.2e}")
+
+
+def _measure_all(cfg: BenchConfig, model_path: str, threads: int, tokenizer: Any,
+                 prompts: dict[str, list[Prompt]], state: RunState) -> bool:
+    """Every system in turn; False if verispec itself could not load."""
+    for key in ["verispec", *cfg.peers]:
+        label = PEERS[key].label if key in PEERS else key
+        log(f"loading {label} ...")
+        start = time.perf_counter()
+        try:
+            system = load_system(key, model_path, threads, tokenizer, log)
+        except PeerUnavailable as exc:
+            state.skipped[key] = str(exc)
+            log(f"skipping {label}: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - a broken peer must not hide the others' results
+            state.errors[key] = f"load failed: {exc!r}"
+            log(f"{label} failed to load:\n{traceback.format_exc()}")
+            if key == "verispec":
+                return False  # nothing to compare against
+            continue
+        log(f"{label} loaded in {time.perf_counter() - start:.1f}s")
+        try:
+            _run_system(system, cfg, prompts, state)
+        except Exception as exc:  # noqa: BLE001 - same: record it, go on with the next system
+            state.errors[key] = f"run failed: {exc!r}"
+            log(f"{label} failed:\n{traceback.format_exc()}")
+        finally:
+            system.close()
+            del system
+            gc.collect()  # free one model's memory before the next system loads
+        log(f"{label} done after {time.perf_counter() - start:.0f}s")
+    return True
+
+
 def _logprobs_share(results: list[Result]) -> float | None:
-    by = {r.scenario: r.median for r in results if r.system == "verispec" and r.tokens}
+    by = {r.scenario: r.median for r in results if r.system == "verispec" and r.variant == PLAIN and r.tokens}
     if "batch16" in by and "batch16_logprobs" in by:
         return by["batch16_logprobs"] / by["batch16"]
     return None
@@ -196,88 +271,68 @@ def run(args: argparse.Namespace) -> int:
     model_path = default_model_path()
     # verispec's loader caches the converted GGUF tokenizer; transformers' own conversion is slow.
     tokenizer = load_tokenizer(model_path)
-    plain = [s for s in cfg.scenarios if s in SCENARIOS]
-    prompts = chat_prompts(tokenizer, max([SCENARIOS[s] for s in plain], default=1))
+    prompts = build_prompts(tokenizer, cfg.scenarios)
     log(f"model {model_path}; {cfg.max_tokens} tokens, {cfg.runs} run(s), {threads} thread(s), "
         f"scenarios {','.join(cfg.scenarios)}, peers {','.join(cfg.peers) or 'none'}")
 
-    results: list[Result] = []
-    skipped: dict[str, str] = {}
-    errors: dict[str, str] = {}
-    refs: dict[str, Generation] = {}
-    for key in ["verispec", *cfg.peers] if plain else []:
-        label = PEERS[key].label if key in PEERS else key
-        log(f"loading {label} ...")
-        start = time.perf_counter()
-        try:
-            system = load_system(key, model_path, threads, tokenizer, log)
-        except PeerUnavailable as exc:
-            skipped[key] = str(exc)
-            log(f"skipping {label}: {exc}")
-            continue
-        except Exception as exc:  # noqa: BLE001 - a broken peer must not hide the others' results
-            errors[key] = f"load failed: {exc!r}"
-            log(f"{label} failed to load:\n{traceback.format_exc()}")
-            if key == "verispec":
-                return 1  # nothing to compare against
-            continue
-        log(f"{label} loaded in {time.perf_counter() - start:.1f}s")
-        try:
-            for scenario in plain:
-                if scenario in VERISPEC_ONLY and key != "verispec":
-                    continue
-                results.append(_measure(system, scenario, prompts[: SCENARIOS[scenario]], cfg, refs))
-        except Exception as exc:  # noqa: BLE001 - same: record it, go on with the next system
-            errors[key] = f"run failed: {exc!r}"
-            log(f"{label} failed:\n{traceback.format_exc()}")
-        finally:
-            system.close()
-            del system
-            gc.collect()  # free one model's memory before the next system loads
-
+    state = RunState()
+    if prompts and not _measure_all(cfg, model_path, threads, tokenizer, prompts, state):
+        return 1
     spec_rows = []
     if SPEC_SCENARIO in cfg.scenarios:
         log("speculative decoding sweep (verispec, batch 1) ...")
         spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log)
+    results, heads = state.results, headlines()
     machine = machine_info(threads)
+    outcomes = evaluate(results)
     config: dict[str, Any] = {
         "model": model_path,
         "quick": cfg.quick,
         "max_tokens": cfg.max_tokens,
         "runs": cfg.runs,
         "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
-        "scenarios": {s: SCENARIOS.get(s, 1) for s in cfg.scenarios},
+        "scenarios": {s: SCENARIOS[s].description() if s in SCENARIOS else "speculative sweep"
+                      for s in cfg.scenarios},
+        "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
         "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
-        "verispec_only": VERISPEC_ONLY,
         "logprobs20_share_of_batch16": _logprobs_share(results),
     }
-    print(format_table(results))
-    if any(r.others_load and max(r.others_load) > BUSY_CORES for r in results):
+    table, ttft_table = format_table(results, headline=heads), format_ttft_table(results)
+    print(table)
+    if ttft_table:
+        print()
+        print(ttft_table)
+    if any(r.busy for r in results):
         print(f"(busy): other processes used over {BUSY_CORES} cores during a run; that figure is suspect")
-    if summary := format_ratios(results):
+    if summary := format_ratios(results, heads):
         print()
         print(summary)
-    overhead = _logprobs_share(results)
-    if overhead is not None:
-        print(f"verispec throughput with logprobs=20: {overhead:.1%} of the same batch without logprobs")
-    for key, why in {**skipped, **errors}.items():
+    if (share := _logprobs_share(results)) is not None:
+        print(f"verispec throughput with logprobs=20: {share:.1%} of the same batch without logprobs")
+    print()
+    print(format_targets(outcomes))
+    for key, why in {**state.skipped, **state.errors}.items():
         print(f"{key}: {why}")
     cfg.out.mkdir(parents=True, exist_ok=True)
     if spec_rows:
-        table = format_spec_table(spec_rows)
+        spec_table = format_spec_table(spec_rows)
         print()
-        print(table)
-        (cfg.out / "spec.md").write_text(table + "\n")
+        print(spec_table)
+        (cfg.out / "spec.md").write_text(spec_table + "\n")
         (cfg.out / "spec.json").write_text(json.dumps({"machine": machine, "rows": spec_json(spec_rows)}, indent=2))
         plot_spec(cfg.out / "spec.png", spec_rows)
         if not all(r.identical for r in spec_rows):
-            errors["spec"] = "a speculative run's greedy output differs from the non-speculative one"
-    write_json(cfg.out / "bench.json", machine, config, results, skipped, errors)
-    # The same table as Markdown, ready to paste into docs/benchmarks.md.
-    (cfg.out / "bench.md").write_text(format_table(results, markdown=True) + "\n")
+            state.errors["spec"] = "a speculative run's greedy output differs from the non-speculative one"
+    doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
+           "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes]}
+    write_json(cfg.out / "bench.json", doc, results, heads)
+    # The same tables as Markdown, ready to paste into docs/benchmarks.md.
+    md = [format_table(results, markdown=True, headline=heads), format_ttft_table(results, markdown=True),
+          format_targets(outcomes, markdown=True)]
+    (cfg.out / "bench.md").write_text("\n\n".join(m for m in md if m) + "\n")
     if any(r.tokens for r in results):
         plot(cfg.out / "bench.png", results, machine, cfg.max_tokens)
     log(f"wrote bench.json, bench.md and bench.png under {cfg.out}; "
         f"total {time.perf_counter() - began:.0f}s")
-    return 1 if errors else 0
+    return 1 if state.errors else 0

@@ -8,9 +8,10 @@ is identical to the non-speculative one (it must be: verification is lossless).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # Our own short texts in the categories Spec-Bench uses.
 _DOC = (
