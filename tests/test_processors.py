@@ -22,6 +22,7 @@ from transformers.generation.logits_process import (
 from conftest import hf_processed
 from verispec.config import LogprobsMode
 from verispec.sample.logprobs import LSE_CHUNK, compute_topk_scores, streaming_logsumexp
+from verispec.sample.noise import RequestNoise
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.sampler import sample
@@ -31,12 +32,12 @@ CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 
 
-def make_row(params, prompt=(), output=(), generator=None, stop_ids=(), position_independent=False) -> RowSpec:
+def make_row(params, prompt=(), output=(), noise=None, stop_ids=(), position_independent=False) -> RowSpec:
     return RowSpec(
         params=params,
         prompt_ids=list(prompt),
         output_ids=list(output),
-        generator=generator,
+        noise=noise,
         stop_ids=frozenset(stop_ids),
         mode=LogprobsMode.PROCESSED_LOGPROBS,
         num_logprobs=None,
@@ -278,7 +279,7 @@ def test_greedy_rows_take_argmax():
     rng = torch.Generator().manual_seed(9)
     logits = torch.randn(6, vocab, generator=rng)
     rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(3)]
-    rows += [make_row(SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    rows += [make_row(SamplingParams(temperature=1.0), noise=RequestNoise(i)) for i in range(3)]
     md = SamplingMetadata.build(rows, vocab, CPU)
     tokens = sample(apply_processors(logits, md), md)
     assert tokens.dtype == torch.int64 and tokens.shape == (6,)
@@ -291,7 +292,7 @@ def test_seeded_rows_are_batch_invariant():
     target = SamplingParams(temperature=1.5, seed=0)
     drawn_alone, drawn_batched = [], []
     for seed in range(30):
-        alone_rows = [make_row(target, generator=torch.Generator().manual_seed(seed))]
+        alone_rows = [make_row(target, noise=RequestNoise(seed))]
         md = SamplingMetadata.build(alone_rows, vocab, CPU)
         drawn_alone.append(int(sample(apply_processors(logits, md), md)[0]))
 
@@ -301,10 +302,10 @@ def test_seeded_rows_are_batch_invariant():
         batch_logits = torch.cat([others[:2], logits, others[2:]])
         rows = [
             make_row(SamplingParams(temperature=0.0)),
-            make_row(SamplingParams(temperature=0.8, top_k=5), generator=None),
-            make_row(target, generator=torch.Generator().manual_seed(seed)),
-            make_row(SamplingParams(temperature=1.0), generator=torch.Generator().manual_seed(seed + 1)),
-            make_row(SamplingParams(top_p=0.5), generator=torch.Generator().manual_seed(77)),
+            make_row(SamplingParams(temperature=0.8, top_k=5), noise=None),
+            make_row(target, noise=RequestNoise(seed)),
+            make_row(SamplingParams(temperature=1.0), noise=RequestNoise(seed + 1)),
+            make_row(SamplingParams(top_p=0.5), noise=RequestNoise(77)),
         ]
         md = SamplingMetadata.build(rows, vocab, CPU)
         drawn_batched.append(int(sample(apply_processors(batch_logits, md), md)[2]))
@@ -324,7 +325,7 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 def test_sample_matches_distribution_chi_square(params):
     vocab, draws = 8, 20000
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, NEG_INF, 1.5, -1.0])  # token 5 masked
-    rows = [make_row(params, generator=torch.Generator().manual_seed(i)) for i in range(draws)]
+    rows = [make_row(params, noise=RequestNoise(i)) for i in range(draws)]
     md = SamplingMetadata.build(rows, vocab, CPU)
     processed = apply_processors(base.expand(draws, vocab).contiguous(), md)
     tokens = sample(processed, md)
@@ -340,10 +341,10 @@ def test_sample_never_draws_masked_tokens():
     vocab = 100
     rng = torch.Generator().manual_seed(12)
     rows = [
-        make_row(SamplingParams(temperature=2.0, top_k=3), generator=torch.Generator().manual_seed(i))
+        make_row(SamplingParams(temperature=2.0, top_k=3), noise=RequestNoise(i))
         for i in range(500)
     ] + [
-        make_row(SamplingParams(temperature=2.0, allowed_token_ids=[4, 9]), generator=torch.Generator().manual_seed(i))
+        make_row(SamplingParams(temperature=2.0, allowed_token_ids=[4, 9]), noise=RequestNoise(i))
         for i in range(500)
     ]
     logits = torch.randn(len(rows), vocab, generator=rng)

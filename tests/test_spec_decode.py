@@ -10,7 +10,7 @@ import torch
 
 from conftest import hf_model, hf_processed, make_tiny_checkpoint, random_prompts
 from verispec import LLM, SamplingParams
-from verispec.engine.request import RandomStreams
+from verispec.sample.noise import RequestNoise
 from verispec.spec_decode import rejection
 from verispec.spec_decode.ngram import propose_ngram
 from verispec.spec_decode.rejection import verify
@@ -21,12 +21,8 @@ NEG = float("-inf")
 # ------------------------------------------------------------------------------ the verifier
 def run_verify(logits, drafts, num_drafts, q=None, greedy=False, seed=0):
     r = logits.shape[0]
-    streams = [RandomStreams(seed + i, torch.device("cpu")) for i in range(r)]
-    pick = lambda name: [None if greedy else getattr(s, name) for s in streams]  # noqa: E731
-    return verify(
-        logits, torch.tensor(drafts), torch.tensor(num_drafts), q, [greedy] * r,
-        pick("accept"), pick("recover"), pick("sample"),
-    )
+    noise = [None if greedy else RequestNoise(seed + i) for i in range(r)]
+    return verify(logits, torch.tensor(drafts), list(num_drafts), q, [q is not None] * r, noise, [0] * r)
 
 
 def peaked(rows: list[int], vocab: int = 8) -> torch.Tensor:
@@ -271,12 +267,61 @@ def test_biased_verifier_fails_the_distribution_test(small_vocab_model, monkeypa
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
 
     # The classic bug: after a rejection, draw from p itself instead of norm(max(p - q, 0)).
+    # The residual is drawn on the q-drafter path (one-hot drafts use the race winner instead).
     monkeypatch.setattr(rejection, "residual_distribution", lambda probs, drafts, q: probs)
     n = 3000
     exact = exact_two_token_distribution(model, PROMPT16, params)
-    counts = sample_pairs(path, PROMPT16, params, n)
+    counts = sample_pairs(path, PROMPT16, params, n, {"method": "layer_skip", "num_layers": 1,
+                                                      "num_speculative_tokens": 2})
     stat, df = chi_square(counts, exact, n)
     assert stat > df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+def test_one_hot_verifier_with_fresh_noise_fails_the_distribution_test(small_vocab_model, monkeypatch):
+    """The one-hot rule is exact because a rejected row emits the winner of the same race that
+    rejected the draft. Emitting a fresh race's winner instead (which may be the rejected draft
+    again) must be caught."""
+    import verispec.engine.runner as runner_mod
+
+    path, model = small_vocab_model
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    original = rejection.verify
+
+    def fresh_after_rejection(target_logits, draft_tokens, num_drafts, draft_probs, has_q, noise, first_pos):
+        out = original(target_logits, draft_tokens, num_drafts, draft_probs, has_q, noise, first_pos)
+        fresh = [None if n is None else RequestNoise(f"fresh:{n.bases['sample']}") for n in noise]
+        other = original(target_logits, draft_tokens, num_drafts, draft_probs, has_q, fresh, first_pos)
+        rejected = (out.num_accepted == 0) & torch.tensor([d > 0 for d in num_drafts])
+        out.sampled[:, 0] = torch.where(rejected, other.sampled[:, 0].where(other.num_accepted == 0,
+                                        draft_tokens[:, 0]), out.sampled[:, 0])
+        return out
+
+    monkeypatch.setattr(runner_mod, "verify", fresh_after_rejection)
+    n = 3000
+    exact = exact_two_token_distribution(model, PROMPT16, params)
+    counts = sample_pairs(path, PROMPT16, params, n, NGRAM3)
+    stat, df = chi_square(counts, exact, n)
+    assert stat > df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+def test_seeded_sampling_is_identical_with_and_without_ngram_drafts(tiny_llama):
+    """One-hot verification emits the token plain sampling would emit at that position, so seeded
+    random output does not change with speculation, nor with the batch or preemption around it."""
+    # Prompts that repeat themselves and the model's own greedy continuation, so that prompt
+    # lookup proposes drafts that low-temperature sampling often accepts (and sometimes not).
+    seeds = random_prompts(6, 8, 16, seed=8)
+    greedy = LLM(tiny_llama).generate(seeds, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                      use_tqdm=False)
+    prompts = [p + g.outputs[0].token_ids + p for p, g in zip(seeds, greedy)]
+    params = [SamplingParams(temperature=t, seed=40 + i, max_tokens=24, ignore_eos=True, logprobs=1)
+              for i, t in enumerate([0.3, 0.6, 1.0] * 2)]
+    base, out, stats = run_with_and_without(tiny_llama, prompts, params, NGRAM3)
+    assert stats["num_accepted_tokens"] > 0 and stats["num_draft_tokens"] > stats["num_accepted_tokens"]
+    assert_same_logprobs(base, out)
+    pressed = LLM(tiny_llama, num_kv_blocks=10, max_num_batched_tokens=16, speculative_config=NGRAM3)
+    again = pressed.generate(prompts, params, use_tqdm=False)
+    assert pressed.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in base]
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])

@@ -12,13 +12,14 @@ import torch
 from verispec.config import EngineConfig
 from verispec.engine.kv_cache import BlockPool, bytes_per_block
 from verispec.engine.output_processor import OutputProcessor
-from verispec.engine.request import RandomStreams, Request, RequestStatus
+from verispec.engine.request import Request, RequestStatus
 from verispec.engine.runner import ModelRunner, StepResult
 from verispec.engine.scheduler import Scheduler, SchedulerOutput
 from verispec.models.default import default_model_path
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer
 from verispec.outputs import RequestOutput
+from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 from verispec.spec_decode.drafter import make_drafter
 from verispec.spec_decode.metrics import SpecDecodeMetrics
@@ -135,7 +136,7 @@ class LLMEngine:
                 prompt_token_ids=ids,
                 params=params,
                 logprobs_mode=mode,
-                streams=RandomStreams(base_seed if i == 0 else f"{base_seed}:{i}", self.config.device),
+                noise=RequestNoise(base_seed if i == 0 else f"{base_seed}:{i}"),
                 stop_ids=stop_ids,
                 max_tokens=max_tokens,
                 arrival=next(self._arrival),

@@ -1,15 +1,13 @@
-"""Per-request engine state: token ids, progress through the cache, status and random streams."""
+"""Per-request engine state: token ids, progress through the cache, status and random noise keys."""
 
 from __future__ import annotations
 
 import enum
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from verispec.config import LogprobsMode
+from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
 
@@ -26,23 +24,6 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
-class RandomStreams:
-    """Independent torch.Generators for one request, one per purpose.
-
-    Drafting, acceptance and recovery each draw from their own stream: sharing one stream
-    correlates the acceptance test with the recovered token and biases the output.
-    """
-
-    __slots__ = ("sample", "draft", "accept", "recover")
-
-    def __init__(self, seed: int | str, device: torch.device):
-        for name in self.__slots__:
-            digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-            gen = torch.Generator(device=device)
-            gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-            setattr(self, name, gen)
-
-
 @dataclass(slots=True, eq=False)  # identity: the scheduler's list lookups must not compare fields
 class Request:
     request_id: str
@@ -50,7 +31,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     logprobs_mode: LogprobsMode
-    streams: RandomStreams
+    noise: RequestNoise  # position-keyed random draws (sample/noise.py)
     stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) + stop_token_ids
     max_tokens: int
     arrival: int

@@ -70,13 +70,15 @@ class SampleOutput:
     lp_start: dict[int, int]  # request index -> its first row in `logprobs` (host layout)
 
 
-def row_spec(req: Request, generator: torch.Generator | None, drafts: list[int] = ()) -> RowSpec:
+def row_spec(req: Request, purpose: str | None, drafts: list[int] = ()) -> RowSpec:
+    """The row that emits the token after req's tokens plus `drafts`; purpose None: never sampled."""
     p = req.params
     return RowSpec(
         params=p,
         prompt_ids=req.prompt_token_ids,
         output_ids=req.output_token_ids + list(drafts),
-        generator=generator,
+        noise=req.noise if purpose is not None else None,
+        purpose=purpose or "sample",
         stop_ids=req.stop_ids,
         mode=req.logprobs_mode,
         num_logprobs=p.logprobs,
@@ -226,7 +228,7 @@ class ModelRunner:
         for req, spec in zip(batch.sample_reqs, batch.drafts):
             for j in range(len(spec) + 1):
                 # Verify row j assumes drafts 1..j were accepted: penalties and min_tokens see them.
-                rows.append(row_spec(req, req.streams.sample, spec[:j]))
+                rows.append(row_spec(req, "sample", spec[:j]))
         logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
         md = SamplingMetadata.build(rows, self.vocab_size, dev)
         processed = apply_processors(logits, md)
@@ -248,7 +250,6 @@ class ModelRunner:
             # Padding rows hold zeros (a uniform row); verification never reads them.
             padded = processed.new_zeros(num_reqs * (k + 1), processed.shape[1]).index_copy_(0, dest_t, processed)
             greedy = [r.params.greedy for r in batch.sample_reqs]
-            streams = [None if g else r.streams for g, r in zip(greedy, batch.sample_reqs)]
             q = None
             if any(p is not None for p in batch.draft_probs):
                 # Requests without drafts get zero q rows; verification masks them out.
@@ -259,12 +260,11 @@ class ModelRunner:
             out = verify(
                 padded.view(num_reqs, k + 1, -1),
                 drafts_t,
-                torch.tensor([len(d) for d in batch.drafts], dtype=torch.long, device=dev),
+                [len(d) for d in batch.drafts],
                 q,
-                greedy,
-                [s and s.accept for s in streams],
-                [s and s.recover for s in streams],
-                [s and s.sample for s in streams],
+                [p is not None for p in batch.draft_probs],
+                [None if g else r.noise for g, r in zip(greedy, batch.sample_reqs)],
+                [r.num_tokens for r in batch.sample_reqs],
             )
             sampled, num_sampled = out.sampled, out.num_sampled
             # Each row is scored at the token it emits (padding -1 -> 0; those rows are dropped).

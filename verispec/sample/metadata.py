@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.config import LogprobsMode
+from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
 
@@ -22,11 +23,22 @@ class RowSpec:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]  # generated tokens before this row (includes accepted drafts)
-    generator: torch.Generator | None
+    noise: RequestNoise | None  # None: the row is never sampled at random (greedy, scoring)
     stop_ids: frozenset[int]
     mode: LogprobsMode
     num_logprobs: int | None  # top-k count for this row's logprobs (None: no logprobs)
     position_independent: bool = False  # prompt rows: only position-independent processors
+    purpose: str = "sample"  # which noise stream a random draw of this row uses
+
+    @property
+    def position(self) -> int:
+        """Sequence position of the token this row emits: its noise key."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def noise_key(self) -> int | None:
+        if self.noise is None or self.params.greedy:
+            return None
+        return self.noise.key(self.purpose, self.position)
 
 
 @dataclass(slots=True)

@@ -95,7 +95,7 @@ class ModelDrafter:
             meta = build_attention_metadata(spans, pool.block_size, dev, model.dtype)
             index = torch.tensor(active, dtype=torch.long, device=dev)
             hidden = model(last[index], torch.tensor(positions, device=dev), meta, kv_layers, self.num_layers)
-            rows = [row_spec(jobs[i].request, jobs[i].request.streams.draft, drafts[i]) for i in active]
+            rows = [row_spec(jobs[i].request, "draft", drafts[i]) for i in active]
             md = SamplingMetadata.build(rows, runner.vocab_size, dev)
             processed = apply_processors(model.compute_logits(hidden), md)
             tokens = sample(processed, md)

@@ -1,17 +1,26 @@
-"""Verification of draft tokens (rejection sampling), entirely on the device.
+"""Verification of draft tokens, entirely on the device.
 
 Layout: R requests, K = the longest draft this step. Row j of request i is the target's processed
-distribution after the request's tokens plus drafts 1..j; drafts past num_drafts[i] are padding.
+distribution p_j after the request's tokens plus drafts 1..j; drafts past num_drafts[i] are padding.
 
-- Greedy rows accept draft x_j iff x_j == argmax p_{j-1}; the first mismatch emits argmax.
-- Random rows accept x_j iff u_j * q_j(x_j) <= p_{j-1}(x_j), u ~ U(0,1) in float64 (q = one-hot
-  when the drafter has no probabilities, so that is u <= p(x)); a zero q(x) always rejects. The
-  first rejection emits a draw from norm(max(p - q, 0)).
-- If every draft is accepted, the bonus token comes from the row after the last draft.
+- **Greedy** rows accept draft x_j iff x_j == argmax p_j; the first mismatch emits argmax p_j; if
+  every draft is accepted, the bonus is argmax of the row after the last draft.
+- **Random rows, one-hot drafts** (ngram, or any drafter without probabilities): the row's
+  *winner* is the exponential race argmax(p_j / E_t) with the noise E_t that plain sampling uses at
+  that position t (sample/noise.py). Draft x_j is accepted iff it is the winner; the first
+  rejection emits the winner, and so does the bonus row. This is the rejection rule of the design
+  notes (accept x with probability p(x), u <= p(x) for q one-hot; on rejection draw from p with x
+  removed): the race wins with x with probability p(x), and, given that it did not, its winner is
+  distributed as p without x. One race realises both the test and the residual draw, so the
+  emitted token at every position is exactly the token non-speculative sampling would emit there:
+  seeded output is the same with or without drafts, whatever the batch or preemption.
+- **Random rows, drafts with probabilities q** (layer_skip, draft_model): accept x_j iff
+  u_j * q_j(x_j) <= p_j(x_j), u ~ U(0,1) in float64 (a zero q(x) always rejects); the first
+  rejection emits a draw from norm(max(p - q, 0)); the bonus is the row's race winner. u, the
+  residual draw and the race use independent keyed streams (accept / recover / sample).
 
-Every candidate (recovered token at each position, bonus) is drawn up front from the request's
-own streams (accept / recover / sample), and the outcome is assembled with tensor ops: nothing
-here reads a device value on the host.
+Nothing here reads a device value on the host: all candidates are computed up front and the outcome
+is assembled with tensor ops.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.sample.sampler import exponential_noise
+from verispec.sample.noise import RequestNoise, exponential_rows, uniform_values
 
 
 @dataclass(slots=True)
@@ -39,63 +48,64 @@ def residual_distribution(
     return (probs - draft_probs).clamp_min(0.0)
 
 
+def _keys(noise: list[RequestNoise | None], first_pos: list[int], counts: list[int], purpose: str,
+          width: int) -> list[int | None]:
+    """Row-major [R, width] keys: row i, column j is position first_pos[i] + j; None past counts[i]
+    (padding) and for greedy requests."""
+    keys: list[int | None] = []
+    for n, pos, c in zip(noise, first_pos, counts):
+        keys.extend(n.key(purpose, pos + j) if n is not None and j < c else None for j in range(width))
+    return keys
+
+
 def verify(
     target_logits: torch.Tensor,  # [R, K+1, V] processed target logits
     draft_tokens: torch.Tensor,  # [R, K] int64 (padding: any valid id)
-    num_drafts: torch.Tensor,  # [R] int64
-    draft_probs: torch.Tensor | None,  # [R, K, V] processed draft probabilities; None = one-hot
-    greedy: list[bool],
-    accept_gens: list[torch.Generator | None],
-    recover_gens: list[torch.Generator | None],
-    bonus_gens: list[torch.Generator | None],
+    num_drafts: list[int],  # [R] host counts
+    draft_probs: torch.Tensor | None,  # [R, K, V] processed draft probabilities; None = all one-hot
+    has_q: list[bool],  # [R] whether request i's drafts come with q rows
+    noise: list[RequestNoise | None],  # [R] None for greedy requests
+    first_pos: list[int],  # [R] sequence position that row 0 emits
 ) -> VerifyOutput:
-    """Generators are per request; pass None for greedy requests (no stream is advanced)."""
     r, k1, vocab = target_logits.shape
     k = k1 - 1
     device = target_logits.device
-    positions = torch.arange(k, device=device)[None, :]
-    in_draft = positions < num_drafts[:, None]  # [R, K]
-    greedy_t = torch.tensor(greedy, dtype=torch.bool, device=device)
+    num_drafts_t = torch.tensor(num_drafts, dtype=torch.long, device=device)
+    in_draft = torch.arange(k, device=device)[None, :] < num_drafts_t[:, None]  # [R, K]
+    greedy_t = torch.tensor([n is None for n in noise], dtype=torch.bool, device=device)
 
-    target_argmax = target_logits.argmax(dim=-1)  # [R, K+1]
+    # Every real row's winner: argmax for greedy rows, the keyed race for random ones.
     probs = target_logits.softmax(dim=-1)  # [R, K+1, V]
-    p_draft = probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1).double()  # [R, K]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()
+    race = exponential_rows(_keys(noise, first_pos, [c + 1 for c in num_drafts], "sample", k1), vocab, device)
+    winners = torch.where(
+        greedy_t[:, None], target_logits.argmax(dim=-1), (probs / race.view(r, k1, vocab)).argmax(dim=-1)
+    )  # [R, K+1]
+    accept = draft_tokens == winners[:, :k]
+    emit_at_reject = winners[:, :k]
 
-    uniform = torch.ones(r, k, dtype=torch.float64, device=device)
-    for i, g in enumerate(accept_gens):
-        if g is not None and k:
-            uniform[i] = torch.rand(k, dtype=torch.float64, generator=g, device=device)
-    accept_random = (uniform * q_draft <= p_draft) & (q_draft > 0)
-    accept_greedy = draft_tokens == target_argmax[:, :k]
-    accept = torch.where(greedy_t[:, None], accept_greedy, accept_random) & in_draft
+    if any(has_q) and k:
+        q_noise = [n if q else None for n, q in zip(noise, has_q)]
+        p_draft = probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1).double()
+        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()
+        u = uniform_values(_keys(q_noise, first_pos, num_drafts, "accept", k), device).view(r, k)
+        accept_q = (u * q_draft <= p_draft) & (q_draft > 0)
+        residual = residual_distribution(probs[:, :k], draft_tokens, draft_probs)
+        recover_noise = exponential_rows(_keys(q_noise, first_pos, num_drafts, "recover", k), vocab, device)
+        recovered = (residual / recover_noise.view(r, k, vocab)).argmax(dim=-1)
+        uses_q = torch.tensor(has_q, dtype=torch.bool, device=device)[:, None] & ~greedy_t[:, None]
+        accept = torch.where(uses_q, accept_q, accept)
+        emit_at_reject = torch.where(uses_q, recovered, emit_at_reject)
+
+    accept &= in_draft
     # Accepted drafts form a prefix: count the leading run of accepts.
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [R]
-
-    # Recovered candidates at every draft position: the residual max(p - q, 0), renormalised
-    # implicitly by the exponential race (argmax(r / E) samples from r / sum(r)).
-    residual = residual_distribution(probs[:, :k], draft_tokens, draft_probs)
-    recover_noise = torch.ones_like(residual)
-    for i, g in enumerate(recover_gens):
-        if g is not None and k:
-            recover_noise[i] = exponential_noise(vocab, [g] * k, device)
-    recovered = torch.where(
-        greedy_t[:, None], target_argmax[:, :k], (residual / recover_noise).argmax(dim=-1)
-    )  # [R, K]
-
-    # Bonus candidate from the row after the last draft of each request.
-    bonus_rows = probs.gather(1, num_drafts[:, None, None].expand(r, 1, vocab)).squeeze(1)  # [R, V]
-    bonus_noise = exponential_noise(vocab, list(bonus_gens), device)
-    bonus_random = (bonus_rows / bonus_noise).argmax(dim=-1)
-    bonus = torch.where(greedy_t, target_argmax.gather(1, num_drafts[:, None]).squeeze(1), bonus_random)
-
-    # Token at the first non-accepted position: recovered if it is a rejected draft, else bonus.
-    rejected_at = num_accepted.clamp(max=max(k - 1, 0))
-    recovered_pick = recovered.gather(1, rejected_at[:, None]).squeeze(1) if k else bonus
-    final = torch.where(num_accepted < num_drafts, recovered_pick, bonus)
+    # The token at the first non-accepted position: a rejected draft's replacement, or the bonus.
+    bonus = winners.gather(1, num_accepted[:, None]).squeeze(1)
+    if k:
+        replaced = emit_at_reject.gather(1, num_accepted.clamp(max=k - 1)[:, None]).squeeze(1)
+        final = torch.where(num_accepted < num_drafts_t, replaced, bonus)
+    else:
+        final = bonus
 
     out_pos = torch.arange(k1, device=device)[None, :]
     padded_drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(r, 1)], dim=1)

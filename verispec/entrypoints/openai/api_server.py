@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.config import EngineConfig
 from verispec.engine.core_client import AsyncEngineClient
-from verispec.entrypoints.openai.limits import BodySizeLimit
+from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
 from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
@@ -70,15 +70,10 @@ def _ctx(request: Request) -> ServingContext:
     return request.app.state.ctx
 
 
-def _admit(ctx: ServingContext, config: ServerConfig, num_requests: int) -> None:
+def _admit(ctx: ServingContext) -> None:
     if ctx.client.dead:
         raise RequestError(f"the engine is not running: {ctx.client.dead_reason}", status=503,
                            headers={"Retry-After": "30"})
-    if ctx.client.num_in_flight + num_requests > config.max_pending_requests:
-        raise RequestError(
-            f"the server is at its limit of {config.max_pending_requests} pending requests; retry shortly",
-            status=503, headers={"Retry-After": "1"},
-        )
 
 
 def build_app(config: ServerConfig) -> FastAPI:
@@ -117,7 +112,9 @@ def build_app(config: ServerConfig) -> FastAPI:
             await client.shutdown()
 
     app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan)
+    # Outermost first: a request over the pending limit is refused before its body is read.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(ConcurrencyLimit, max_pending=config.max_pending_requests)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(RequestError)
@@ -165,9 +162,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     @v1.post("/completions", response_model=CompletionResponse, responses=streams)
     async def completions(body: CompletionRequest, request: Request):
         ctx = _ctx(request)
-        # Each prompt of a batch is its own engine request and counts against the pending limit.
-        many = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
-        _admit(ctx, config, len(body.prompt) if many else 1)
+        _admit(ctx)
         if body.stream:
             return StreamingResponse(stream_completion(ctx, body), media_type="text/event-stream")
         return await until_disconnect(request, create_completion(ctx, body))
@@ -175,7 +170,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=streams)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         ctx = _ctx(request)
-        _admit(ctx, config, 1)
+        _admit(ctx)
         if body.stream:
             return StreamingResponse(stream_chat(ctx, body), media_type="text/event-stream")
         return await until_disconnect(request, create_chat(ctx, body))

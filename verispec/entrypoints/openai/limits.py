@@ -51,3 +51,33 @@ class BodySizeLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+class ConcurrencyLimit:
+    """At most `max_pending` generation requests (POST /v1/...) in flight; more get 503 with
+    Retry-After. Counted around the whole ASGI call, so a streamed answer holds its slot until the
+    stream ends or the client leaves, and no early exit can leak a slot. With the body size limit
+    this bounds the memory that waiting requests can take."""
+
+    def __init__(self, app, max_pending: int):
+        self.app = app
+        self.max_pending = max_pending
+        self.pending = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if self.pending >= self.max_pending:
+            body = json.dumps({"error": {
+                "message": f"the server is at its limit of {self.max_pending} pending requests; retry shortly",
+                "type": "ServiceUnavailableError", "param": None, "code": 503,
+            }}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                                    (b"content-length", str(len(body)).encode())]})
+            return await send({"type": "http.response.body", "body": body})
+        self.pending += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.pending -= 1

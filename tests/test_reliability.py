@@ -1,0 +1,272 @@
+"""Reliability of the server under load, faults and bad input (docs/reliability.md).
+
+Two real `verispec serve` processes, both with ngram speculation on:
+- `loaded`: a roomy KV pool, for the 64-client load test and the disconnect storm;
+- `pressured`: a 24-block pool (heavy preemption), tight limits and an armed fault-injection hook,
+  for preemption equality, limits, crash isolation and the schema fuzzer.
+Every figure a test measures is printed (run with -s to see it) and collected in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import random
+import threading
+import time
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import (
+    content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance,
+)
+
+from server_utils import ServerProcess, sse_events
+
+pytestmark = pytest.mark.slow
+
+SPEC = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+POISON = [49150, 49151, 49149]  # the fault hook fires on this run of token ids
+PRESSURED_BLOCKS = 24
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog does not react. The fox runs into "
+    "the forest, where it meets an owl. The owl asks the fox why it jumped over the dog. The fox says "
+    "that the dog was lazy and it wanted to show off. Summary:",
+    "Translate to French: Good morning, how are you today?",
+    "def fibonacci(n):\n    # return the n-th Fibonacci number\n",
+    "Repeat after me: alpha beta gamma delta alpha beta gamma delta alpha beta",
+    "Once upon a time",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    srv = ServerProcess(*SPEC, "--max-model-len", "1024", "--max-num-seqs", "64")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pressured():
+    srv = ServerProcess(
+        *SPEC, "--max-model-len", "256", "--num-kv-blocks", str(PRESSURED_BLOCKS), "--max-num-seqs", "16",
+        "--max-n", "2", "--max-pending-requests", "24", "--max-request-bytes", "65536", "--max-prompt-tokens", "200",
+        env={"VERISPEC_FAULT_INJECT_TOKENS": ",".join(map(str, POISON))},
+    )
+    yield srv
+    srv.stop()
+
+
+def _body(i: int, stream: bool) -> dict:
+    """Request i of a mixed load: four lengths, greedy or seeded, logprobs on for half."""
+    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": (8, 16, 32, 48)[i % 4], "stream": stream}
+    body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1000 + i})
+    if (i // 2) % 2 == 0:
+        body["logprobs"] = 2
+    if i % 3 == 0:
+        body["ignore_eos"] = True
+    return body
+
+
+def _stream(server: ServerProcess, body: dict, disconnect_after: int | None = None) -> dict:
+    """Runs one streaming completion; returns its text, token logprobs and finish reason."""
+    r = server.post("/v1/completions", body, stream=True, timeout=600)
+    assert r.status_code == 200, r.text
+    if disconnect_after is not None:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith(b"data: "):
+                seen += 1
+                if seen >= disconnect_after:
+                    break
+        r.close()
+        return {"disconnected_after": seen}
+    text, lps, finish = "", [], None
+    for event in sse_events(r):
+        assert "error" not in event, event
+        choice = event["choices"][0]
+        text += choice["text"]
+        if choice["logprobs"]:
+            lps += choice["logprobs"]["token_logprobs"]
+        finish = choice["finish_reason"] or finish
+    return {"text": text, "logprobs": lps, "finish_reason": finish}
+
+
+def _alone(server: ServerProcess, body: dict) -> dict:
+    body = {**body, "stream": False}
+    r = server.post("/v1/completions", body, timeout=600)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lps = choice["logprobs"]["token_logprobs"] if choice["logprobs"] else []
+    return {"text": choice["text"], "logprobs": lps, "finish_reason": choice["finish_reason"],
+            "completion_tokens": r.json()["usage"]["completion_tokens"]}
+
+
+def _assert_same(got: dict, ref: dict, tol: float = 0.0) -> None:
+    assert got["text"] == ref["text"]
+    assert got["finish_reason"] == ref["finish_reason"]
+    assert len(got["logprobs"]) == len(ref["logprobs"])
+    for a, b in zip(got["logprobs"], ref["logprobs"]):
+        assert abs(a - b) <= tol, (a, b)
+
+
+# ------------------------------------------------------------------------------------------ load
+def test_64_concurrent_streaming_clients(loaded):
+    n = 64
+    start = time.monotonic()
+    with cf.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda i: _stream(loaded, _body(i, True)), range(n)))
+    load_s = time.monotonic() - start
+    m = loaded.wait_idle()
+    assert m["verispec:kv_cache_blocks_free"] == m["verispec:kv_cache_blocks_total"]
+    refs = [_alone(loaded, _body(i, False)) for i in range(n)]
+    for i, (got, ref) in enumerate(zip(results, refs)):
+        assert got["finish_reason"] in ("stop", "length"), i
+        if ref["finish_reason"] == "length":
+            assert ref["completion_tokens"] == _body(i, False)["max_tokens"]
+        # Batched with 63 others (and drafts verified in between) vs alone: the matmuls see other
+        # row counts, so logprobs agree to float rounding; texts must be equal.
+        _assert_same(got, ref, tol=1e-4)
+    drafts = m["verispec:spec_decode_num_drafts_total"]
+    print(f"\n[reliability] load: {n} concurrent streams in {load_s:.1f} s, all complete and equal to "
+          f"solo runs; drafts verified {drafts:.0f}, KV blocks free after {m['verispec:kv_cache_blocks_free']:.0f}"
+          f"/{m['verispec:kv_cache_blocks_total']:.0f}")
+    assert drafts > 0
+
+
+def test_20_clients_disconnect_mid_stream(loaded):
+    rng = random.Random(0)
+    leavers = [({**_body(i, True), "max_tokens": 200, "ignore_eos": True}, rng.randint(1, 12)) for i in range(20)]
+    stayers = [_body(i, True) for i in range(100, 108)]
+    with cf.ThreadPoolExecutor(28) as pool:
+        gone = [pool.submit(_stream, loaded, body, after) for body, after in leavers]
+        kept = [pool.submit(_stream, loaded, body) for body in stayers]
+        gone = [f.result() for f in gone]
+        kept = [f.result() for f in kept]
+    m = loaded.wait_idle()
+    assert m["verispec:kv_cache_blocks_free"] == m["verispec:kv_cache_blocks_total"]
+    assert m["verispec:num_requests_running"] == 0
+    for got, body in zip(kept, stayers):
+        _assert_same(got, _alone(loaded, body), tol=1e-4)
+    assert loaded.get("/health").status_code == 200
+    aborted = loaded.get("/metrics").text.count('finished_reason="abort"')
+    print(f"\n[reliability] disconnects: 20 clients left after {[g['disconnected_after'] for g in gone]} events; "
+          f"8 others finished equal to solo runs; KV blocks all free afterwards")
+    assert aborted >= 1
+
+
+# ----------------------------------------------------------------------------------- preemption
+def test_preemption_under_load_keeps_outputs(pressured, loaded):
+    bodies = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 40, "ignore_eos": True, "logprobs": 2,
+               **({"temperature": 0} if i % 2 else {"temperature": 0.9, "seed": 77 + i})} for i in range(16)]
+    before = pressured.metrics()["verispec:num_preemptions_total"]
+    with cf.ThreadPoolExecutor(16) as pool:
+        pressed = list(pool.map(lambda b: _stream(pressured, {**b, "stream": True}), bodies))
+        roomy = list(pool.map(lambda b: _stream(loaded, {**b, "stream": True}), bodies))
+    m = pressured.wait_idle()
+    preemptions = m["verispec:num_preemptions_total"] - before
+    assert preemptions > 0, "the pool was meant to force preemption"
+    assert m["verispec:kv_cache_blocks_free"] == PRESSURED_BLOCKS
+    worst = 0.0
+    for got, ref in zip(pressed, roomy):
+        _assert_same(got, ref, tol=1e-4)
+        worst = max([worst] + [abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])])
+    print(f"\n[reliability] preemption: 16 requests on a {PRESSURED_BLOCKS}-block pool, {preemptions:.0f} "
+          f"preemptions; tokens equal, max |logprob diff| {worst:.2e} vs the roomy server")
+
+
+# ---------------------------------------------------------------------------------------- limits
+def test_limits_answer_400_413(pressured):
+    big = pressured.post("/v1/completions", {"prompt": "x" * 70000})
+    assert big.status_code == 413 and "65536" in big.json()["error"]["message"]
+    long_prompt = pressured.post("/v1/completions", {"prompt": [[7] * 210]})
+    assert long_prompt.status_code == 400 and long_prompt.json()["error"]["param"] == "prompt"
+    too_many = pressured.post("/v1/completions", {"prompt": "hi", "n": 3})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+    too_long = pressured.post("/v1/completions", {"prompt": "hi", "max_tokens": 300})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    chunked = requests.post(pressured.url + "/v1/completions", data=iter([b'{"prompt": "', b"y" * 70000, b'"}']),
+                            headers={"Content-Type": "application/json"}, timeout=60)
+    assert chunked.status_code == 413
+
+
+def test_full_queue_answers_503_with_retry_after(pressured):
+    statuses, lock = [], threading.Lock()
+
+    def one(i: int) -> None:
+        r = pressured.post("/v1/completions", {"prompt": PROMPTS[i % 8], "max_tokens": 48, "ignore_eos": True,
+                                               "temperature": 0})
+        with lock:
+            statuses.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        list(pool.map(one, range(32)))
+    refused = [s for s in statuses if s[0] == 503]
+    served = [s for s in statuses if s[0] == 200]
+    assert refused and all(retry == "1" for _, retry, _ in refused)
+    assert len(served) + len(refused) == 32 and len(served) >= 24
+    assert all(body["usage"]["completion_tokens"] == 48 for _, _, body in served)
+    m = pressured.wait_idle()
+    assert m["verispec:kv_cache_blocks_free"] == PRESSURED_BLOCKS
+    print(f"\n[reliability] queue: 32 at once against a limit of 24 -> {len(served)} served, "
+          f"{len(refused)} refused with 503 + Retry-After")
+
+
+# ------------------------------------------------------------------------------- crash isolation
+def test_a_request_that_crashes_the_model_fails_alone(pressured):
+    tok_prompts = [[504, 3458, 282, 4649, 314, 30, 100 + i] for i in range(3)]
+    poisoned = [504, 3458, *POISON, 282]
+    bodies = [{"prompt": p, "max_tokens": 24, "ignore_eos": True, "temperature": 0} for p in tok_prompts]
+    with cf.ThreadPoolExecutor(4) as pool:
+        bad = pool.submit(pressured.post, "/v1/completions", {"prompt": poisoned, "max_tokens": 24})
+        good = [pool.submit(pressured.post, "/v1/completions", b) for b in bodies]
+        bad, good = bad.result(), [g.result() for g in good]
+    assert bad.status_code == 500
+    assert "injected fault" in bad.json()["error"]["message"]
+    for r, body in zip(good, bodies):
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == _alone(pressured, body)["text"]
+    streamed = pressured.post("/v1/completions", {"prompt": poisoned, "max_tokens": 4, "stream": True}, stream=True)
+    events = sse_events(streamed)
+    assert "injected fault" in events[-1]["error"]["message"]
+    assert pressured.get("/health").status_code == 200
+    m = pressured.wait_idle()
+    assert m["verispec:kv_cache_blocks_free"] == PRESSURED_BLOCKS
+
+
+# ------------------------------------------------------------------------------------------ fuzz
+FUZZ_STATS = {"cases": 0, "5xx": 0, "by_status": {}}
+
+
+@pytest.fixture(scope="module")
+def fuzz_schema(pressured):
+    return schemathesis.openapi.from_url(pressured.url + "/openapi.json")
+
+
+fuzz = schemathesis.pytest.from_fixture("fuzz_schema").include(path_regex=r"^/(v1/|tokenize|detokenize)")
+
+
+@fuzz.parametrize()
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_fuzz_v1_routes(case):
+    response = case.call(timeout=120)
+    FUZZ_STATS["cases"] += 1
+    FUZZ_STATS["5xx"] += response.status_code >= 500
+    FUZZ_STATS["by_status"][response.status_code] = FUZZ_STATS["by_status"].get(response.status_code, 0) + 1
+    case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
+                                             content_type_conformance, response_schema_conformance])
+
+
+def test_fuzz_summary(pressured):
+    """Runs after the fuzz cases (file order): the server is still healthy and its pool is whole."""
+    assert pressured.get("/health").status_code == 200
+    m = pressured.wait_idle(timeout=120)
+    assert m["verispec:kv_cache_blocks_free"] == PRESSURED_BLOCKS
+    print(f"\n[reliability] fuzz: {json.dumps(FUZZ_STATS, sort_keys=True)}")
+    assert FUZZ_STATS["5xx"] == 0
