@@ -220,3 +220,59 @@ def test_huge_int_temperature_is_value_error():
 def test_infinite_logit_bias_key_is_value_error():
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={float("inf"): 1.0})
+
+
+GENERATED: list = []
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama):
+    from verispec import LLM
+
+    return LLM(tiny_llama, max_logprobs=-1, max_num_batched_tokens=32)
+
+
+# Mostly values that can be valid, so that many examples get as far as a generate call.
+_plausible = st.one_of(
+    st.none(), st.booleans(), st.integers(-1, 6), st.floats(0.0, 2.0), st.floats(0.05, 1.0),
+    st.lists(st.integers(0, 511), min_size=1, max_size=4), st.dictionaries(st.integers(0, 511), st.floats(-5, 5), max_size=2),
+    st.sampled_from(["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits", "x", ["a"]]),
+)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kwargs=st.dictionaries(st.sampled_from(FIELDS), st.one_of(_plausible, _plausible, _plausible, _weird),
+                              max_size=4))
+def test_valid_params_never_crash_a_generate_call(tiny_engine, kwargs):
+    """Whatever validates runs: generate returns a well-formed output or raises ValueError."""
+    try:
+        p = SamplingParams(**kwargs)
+    except ValueError:
+        return
+    # Keep each example short: at most 3 samples of at most 4 tokens.
+    p.n = min(p.n, 3)
+    p.max_tokens = min(p.max_tokens or 4, 4)
+    p.min_tokens = min(p.min_tokens, p.max_tokens)
+    try:
+        out = tiny_engine.generate([5, 6, 7, 8, 9], p, use_tqdm=False)[0]
+    except ValueError:
+        return
+    GENERATED.append(p)
+    assert out.finished and len(out.outputs) == p.n
+    for c in out.outputs:
+        assert c.finish_reason in ("stop", "length") and 1 <= len(c.token_ids) <= p.max_tokens
+        if c.logprobs is not None:
+            assert len(c.logprobs) == len(c.token_ids)
+            assert all(tok in entry for tok, entry in zip(c.token_ids, c.logprobs))
+    assert tiny_engine.engine.pool.num_free_blocks == tiny_engine.engine.pool.num_blocks
+
+
+def test_the_generate_property_really_generated():
+    """Runs after the property test: most of its examples must have reached a generate call."""
+    assert len(GENERATED) >= 5
+
+
+# Found by the generate property test (an IndexError escaped); kept as an explicit regression.
+def test_logprobs_above_vocab_size_is_value_error():
+    with pytest.raises(ValueError, match="logprobs=513 exceeds the vocabulary size"):
+        SamplingParams(logprobs=513).check_against_model(vocab_size=512, max_logprobs=-1)

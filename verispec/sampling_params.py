@@ -170,6 +170,12 @@ class SamplingParams:
             raise ValueError(
                 f"logit_bias holds id {max(self.logit_bias)}, outside the vocabulary [0, {vocab_size})"
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(
+                    f"{name}={value} exceeds the vocabulary size ({vocab_size}); use -1 for the full vocabulary"
+                )
         if max_logprobs != -1:
             for name in ("logprobs", "prompt_logprobs"):
                 value = getattr(self, name)
