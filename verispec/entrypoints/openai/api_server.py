@@ -159,21 +159,20 @@ def build_app(config: ServerConfig) -> FastAPI:
     # With "stream": true the answer is server-sent events, not JSON.
     streams = {**errors, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
-    @v1.post("/completions", response_model=CompletionResponse, responses=streams)
-    async def completions(body: CompletionRequest, request: Request):
+    async def generate(request: Request, body, stream_fn, create_fn):
         ctx = _ctx(request)
         _admit(ctx)
         if body.stream:
-            return StreamingResponse(stream_completion(ctx, body), media_type="text/event-stream")
-        return await until_disconnect(request, create_completion(ctx, body))
+            return StreamingResponse(stream_fn(ctx, body), media_type="text/event-stream")
+        return await until_disconnect(request, create_fn(ctx, body))
+
+    @v1.post("/completions", response_model=CompletionResponse, responses=streams)
+    async def completions(body: CompletionRequest, request: Request):
+        return await generate(request, body, stream_completion, create_completion)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=streams)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        ctx = _ctx(request)
-        _admit(ctx)
-        if body.stream:
-            return StreamingResponse(stream_chat(ctx, body), media_type="text/event-stream")
-        return await until_disconnect(request, create_chat(ctx, body))
+        return await generate(request, body, stream_chat, create_chat)
 
     @v1.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def models(request: Request):
