@@ -122,6 +122,10 @@ class VerispecSystem:
             gen.logprobs = [[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs or [])] for s in seqs]
         return gen
 
+    def engines(self) -> dict[str, Any]:
+        """Its engines by the speculative sweep's drafter names, for the sweep to reuse."""
+        return {"none": self.llm, f"ngram k={SPEC_K}": self._engine(SPEC)}
+
     def close(self) -> None:
         self.llm = self.spec_llm = None
 

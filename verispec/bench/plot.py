@@ -25,7 +25,9 @@ def _panel(ax: Any, rows: list[Result], colors: dict[str, Any], ttft: bool) -> N
             if r.busy:  # measured while other processes took CPU: show it, don't hide it
                 bar[0].set_hatch("//")
             ax.bar_label(bar, fmt=lambda v: f"{v:.0f}" if v >= 10 else f"{v:.1f}", padding=2, fontsize=7)
-    ax.set_xticks(range(len(scenarios)), scenarios)
+    names = [f"{s}\n({max(r.prompt_tokens for r in rows if r.scenario == s)}-token prompt)" if ttft else s
+             for s in scenarios]
+    ax.set_xticks(range(len(scenarios)), names)
     ax.set_ylabel("time to first token, ms (lower is better)" if ttft else
                   "generated tokens / s (median, min-max)")
 
@@ -43,8 +45,9 @@ def plot(path: Path, results: list[Result], machine: dict[str, Any], max_tokens:
     cmap = plt.get_cmap("tab10")
     colors = {label: cmap(i % 10) for i, label in enumerate(labels)}
     panels = [p for p in ((through, False), (ttft, True)) if p[0]]
-    ratios = [max(3, len({r.scenario for r in rows})) for rows, _ in panels]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 2.2 * sum(ratios), 5), dpi=120,
+    # Panel widths follow their scenario counts, so bars come out about as wide in both.
+    ratios = [max(1.2, len({r.scenario for r in rows}) * (1.0 if is_ttft else 1.3)) for rows, is_ttft in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2 + 2.4 * sum(ratios), 5), dpi=120,
                              gridspec_kw={"width_ratios": ratios}, squeeze=False)
     for ax, (rows, is_ttft) in zip(axes[0], panels):
         _panel(ax, rows, colors, is_ttft)

@@ -49,7 +49,13 @@ from verispec.bench.scenarios import (
     headlines,
     max_abs_diff,
 )
-from verispec.bench.spec import format_spec_table, plot_spec, run_sweep, spec_json
+from verispec.bench.spec import (
+    SpecRow,
+    format_spec_table,
+    plot_spec,
+    run_sweep,
+    spec_json,
+)
 from verispec.bench.targets import evaluate, format_targets
 
 DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
@@ -57,6 +63,9 @@ QUICK_MAX_TOKENS, QUICK_RUNS = 32, 1
 # The warm-up only has to touch every code path (prefill, decode, allocator, thread pools), not
 # to be long: a few tokens of the real scenario do that and keep --quick quick.
 WARMUP_TOKENS = 8
+# --quick also warms up on at most this many prompt tokens: a full-length warm-up of the 2k-token
+# TTFT prompt or the extractive one costs more than the timed run in a one-run smoke test.
+QUICK_WARMUP_PROMPT_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -86,6 +95,7 @@ class RunState:
     errors: dict[str, str] = field(default_factory=dict)
     refs: dict[str, Generation] = field(default_factory=dict)  # verispec plain output per scenario
     checks: list[LogprobCheck] = field(default_factory=list)
+    spec_rows: list[SpecRow] = field(default_factory=list)
 
 
 def log(msg: str) -> None:
@@ -163,7 +173,8 @@ def _measure(system: System, sc: Scenario, variant: str, prompts: list[Prompt], 
     res = Result(system.key, label, sc.name, len(prompts), max_tokens, variant=variant, metric=sc.metric,
                  prompt_tokens=max(len(p.ids) for p in prompts))
     extra = {"logprobs": sc.logprobs} if sc.logprobs else {}
-    system.generate(prompts, min(WARMUP_TOKENS, max_tokens), variant, **extra)  # warm-up, not timed
+    warm = [Prompt(p.question, p.text, p.ids[:QUICK_WARMUP_PROMPT_TOKENS]) for p in prompts] if cfg.quick else prompts
+    system.generate(warm, min(WARMUP_TOKENS, max_tokens), variant, **extra)  # warm-up, not timed
     gen: Generation | None = None
     for i in range(cfg.runs):
         busy, mine, start = _busy_seconds(), _self_seconds(), time.perf_counter()
@@ -202,6 +213,9 @@ def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt
                 # Outside the timed runs: logprobs=1 returns the sampled token's logprob.
                 gen = system.generate(prompts[name], cfg.max_tokens, variant, logprobs=1)
                 state.checks.append(LogprobCheck(res, prompts[name], gen))
+    if system.key == "verispec" and SPEC_SCENARIO in cfg.scenarios:
+        log("speculative decoding sweep (verispec, batch 1) ...")
+        state.spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log, system.engines())  # type: ignore[attr-defined]
     if system.key == "hf":
         for check in state.checks:
             # HF's log_softmax of its own logits for verispec's exact token sequence.
@@ -278,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
     state = RunState()
     if prompts and not _measure_all(cfg, model_path, threads, tokenizer, prompts, state):
         return 1
-    spec_rows = []
-    if SPEC_SCENARIO in cfg.scenarios:
+    spec_rows = state.spec_rows
+    if SPEC_SCENARIO in cfg.scenarios and not prompts:  # the sweep alone: no bench engines to reuse
         log("speculative decoding sweep (verispec, batch 1) ...")
         spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log)
     results, heads = state.results, headlines()
