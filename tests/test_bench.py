@@ -121,7 +121,7 @@ def test_table_has_the_correctness_columns():
     c.equal = "yes (ids)"
     text = format_table([a, b, c], headline=headlines())
     lines = text.splitlines()
-    assert "mean acceptance length" in lines[0] and "max |logprob diff| vs HF" in lines[0]
+    assert "mean acceptance length" in lines[0] and "max abs logprob diff vs HF" in lines[0]
     assert "1.5e-05" in lines[2] and "2.00x" in lines[2]  # spec over plain
     assert "3.50" in lines[3]
     assert "4.00x" in lines[4] and "(busy)" in lines[4]

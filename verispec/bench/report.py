@@ -155,7 +155,7 @@ def format_table(results: list[Result], markdown: bool = False, headline: dict[s
     """Throughput rows (every scenario but TTFT)."""
     rel = ratios(results, headline)
     head = ["scenario", "system", "tok/s", "min", "max", "verispec / system", "same output as verispec",
-            "mean acceptance length", "max |logprob diff| vs HF", "other load"]
+            "mean acceptance length", "max abs logprob diff vs HF", "other load"]
     rows = []
     for r in results:
         if not r.tokens or r.metric != THROUGHPUT:
