@@ -195,7 +195,7 @@ def _measure(system: System, sc: Scenario, variant: str, prompts: list[Prompt], 
     is_ref = system.key == "verispec" and variant == PLAIN
     if is_ref:
         state.refs[sc.name] = gen
-    res.equal = compare(system.key, system.compare, gen, state.refs.get(sc.name), is_ref)
+    res.equal = compare(system.compare, gen, state.refs.get(sc.name), is_ref)
     log(f"  {label} {sc.name} first output: {gen.texts[0][:70]!r}"
         + (f", acceptance length {res.acceptance:.2f}" if res.acceptance is not None else ""))
     return res

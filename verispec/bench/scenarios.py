@@ -71,7 +71,7 @@ def build_prompts(tokenizer: Any, scenarios: list[str]) -> dict[str, list[Prompt
     return out
 
 
-def compare(key: str, mode: str, gen: Generation, ref: Generation | None, is_reference: bool = False) -> str:
+def compare(mode: str, gen: Generation, ref: Generation | None, is_reference: bool = False) -> str:
     """'yes'/'no (k/n ...)' against verispec's plain greedy output, or 'n/a' where not comparable."""
     if is_reference:
         return "reference"
