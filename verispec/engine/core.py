@@ -18,7 +18,7 @@ import zmq
 
 from verispec.config import EngineConfig
 from verispec.engine.core_protocol import (
-    AbortRequests, AddRequest, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady, EngineStats,
+    AbortRequests, AddRequest, AddRequests, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady, EngineStats,
     LogprobRow, RequestDelta, Shutdown,
 )
 from verispec.outputs import Logprob, RequestOutput
@@ -150,6 +150,9 @@ class EngineCore:
 
     def handle(self, msg) -> tuple[list[RequestDelta], bool]:
         """Applies one input; returns refusals to send and whether to keep running."""
+        if isinstance(msg, AddRequests):
+            refused = [d for add in msg.requests for d in self.handle(add)[0]]
+            return refused, True
         if isinstance(msg, AddRequest):
             try:
                 params = SamplingParams(**msg.params)

@@ -22,7 +22,7 @@ import zmq.asyncio
 from verispec.config import EngineConfig
 from verispec.engine.core import params_to_wire, run_engine_core
 from verispec.engine.core_protocol import (
-    AbortRequests, AddRequest, CoreFailed, CoreMessage, CoreOutputs, CoreReady, EngineStats, RequestDelta, Shutdown,
+    AbortRequests, AddRequest, AddRequests, CoreFailed, CoreMessage, CoreOutputs, CoreReady, EngineStats, RequestDelta, Shutdown,
 )
 from verispec.sampling_params import SamplingParams
 
@@ -56,6 +56,7 @@ class AsyncEngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._stats_listeners: list = []
+        self._pending_adds: list[AddRequest] = []
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -123,7 +124,7 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            await self._in.send(self._encoder.encode(AddRequest(request_id, prompt_token_ids, params_to_wire(params))))
+            self._queue_add(AddRequest(request_id, prompt_token_ids, params_to_wire(params)))
             while True:
                 item = await queue.get()
                 if isinstance(item, EngineDeadError):
@@ -137,11 +138,31 @@ class AsyncEngineClient:
             if not finished:
                 self.abort([request_id])
 
+    def _queue_add(self, add: AddRequest) -> None:
+        """Adds made in the same event-loop iteration (the prompts of one HTTP request, started as
+        tasks together) go out as one message, so the core schedules them in the same step."""
+        if not self._pending_adds:
+            asyncio.get_running_loop().call_soon(self._flush_adds)
+        self._pending_adds.append(add)
+
+    def _flush_adds(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        if self.dead or not adds:
+            return
+        msg = adds[0] if len(adds) == 1 else AddRequests(adds)
+        try:
+            self._in.send(self._encoder.encode(msg))
+        except zmq.ZMQError:  # the socket is closing at shutdown
+            pass
+
     def abort(self, request_ids: list[str]) -> None:
         """Not a coroutine on purpose: it runs in the `finally` of a cancelled request, where any
         await would be cancelled again. pyzmq sends at once when the socket can take it."""
         if self.dead or not request_ids:
             return
+        # A request cancelled before its add went out is simply never sent.
+        gone = set(request_ids)
+        self._pending_adds = [a for a in self._pending_adds if a.request_id not in gone]
         try:
             self._in.send(self._encoder.encode(AbortRequests(list(request_ids))))
         except zmq.ZMQError:  # the socket is closing at shutdown

@@ -23,6 +23,13 @@ class AddRequest(msgspec.Struct, tag="add"):
     params: dict[str, Any]
 
 
+class AddRequests(msgspec.Struct, tag="add_many"):
+    """Requests that arrived together (the prompts of one HTTP request): the core adds them in the
+    same loop iteration, so they share their first step as they would in `LLM.generate`."""
+
+    requests: list[AddRequest]
+
+
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
@@ -31,7 +38,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-CoreInput = AddRequest | AbortRequests | Shutdown
+CoreInput = AddRequest | AddRequests | AbortRequests | Shutdown
 
 
 # --------------------------------------------------------------------------------- from the core
