@@ -60,6 +60,9 @@ class _Progress:
     tokens: list[int]
     chars: list[int]
     finished: list[bool]
+    # Text that could still turn out to be the start of a stop string is held back while the
+    # request runs: a stop string must never reach a streaming client.
+    hold: int
     prompt_sent: bool = False
 
 
@@ -68,22 +71,18 @@ class DeltaTracker:
 
     def __init__(self) -> None:
         self._progress: dict[str, _Progress] = {}
-        self._hold: dict[str, int] = {}
 
     def start(self, request_id: str, params: SamplingParams) -> None:
         n = params.n
-        self._progress[request_id] = _Progress([0] * n, [0] * n, [False] * n)
-        # Text that could still turn out to be the start of a stop string is held back while the
-        # request runs: a stop string must never reach a streaming client.
-        self._hold[request_id] = max((len(s) for s in params.stop or ()), default=1) - 1
+        hold = max((len(s) for s in params.stop or ()), default=1) - 1
+        self._progress[request_id] = _Progress([0] * n, [0] * n, [False] * n, hold)
 
     def forget(self, request_id: str) -> None:
         self._progress.pop(request_id, None)
-        self._hold.pop(request_id, None)
 
     def delta(self, out: RequestOutput) -> RequestDelta:
         prog = self._progress[out.request_id]
-        hold = self._hold[out.request_id]
+        hold = prog.hold
         completions = []
         for comp in out.outputs:
             i = comp.index

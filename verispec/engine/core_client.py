@@ -168,10 +168,6 @@ class AsyncEngineClient:
         except zmq.ZMQError:  # the socket is closing at shutdown
             pass
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     # ------------------------------------------------------------------ background tasks
     async def _output_loop(self) -> None:
         while True:

@@ -26,7 +26,7 @@ from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
 from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ErrorInfo, ErrorResponse, HealthResponse, ModelCard, ModelList, TokenizeRequest,
+    DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList, TokenizeRequest,
     TokenizeResponse, TokenizerInfoResponse,
 )
 from verispec.entrypoints.openai.serving import RequestError, ServingContext, until_disconnect
@@ -61,8 +61,7 @@ class ServerConfig:
 
 def _error(status: int, message: str, param: str | None = None, type_: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
-    exc = RequestError(message, param, status, type_)
-    body = ErrorResponse(error=ErrorInfo(message=message, type=exc.type, param=param, code=status))
+    body = RequestError(message, param, status, type_).response_body()
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 

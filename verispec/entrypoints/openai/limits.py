@@ -1,8 +1,17 @@
-"""Request body size limit: 413 before a large body is buffered, whether or not it declares its length."""
+"""Request limits answered before the app runs: body size (413, whether or not the length is declared) and pending requests (503)."""
 
 from __future__ import annotations
 
-import json
+from verispec.entrypoints.openai.serving import RequestError
+
+
+async def send_error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """An OpenAI-shaped error answered straight from ASGI middleware (before the app runs)."""
+    body = RequestError(message, status=status).response_body().model_dump_json().encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 class BodySizeLimit:
@@ -44,13 +53,7 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps({"error": {
-            "message": f"the request body exceeds the server's limit of {self.max_bytes} bytes",
-            "type": "RequestTooLargeError", "param": None, "code": 413,
-        }}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, f"the request body exceeds the server's limit of {self.max_bytes} bytes")
 
 
 class ConcurrencyLimit:
@@ -68,14 +71,8 @@ class ConcurrencyLimit:
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         if self.pending >= self.max_pending:
-            body = json.dumps({"error": {
-                "message": f"the server is at its limit of {self.max_pending} pending requests; retry shortly",
-                "type": "ServiceUnavailableError", "param": None, "code": 503,
-            }}).encode()
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                                    (b"content-length", str(len(body)).encode())]})
-            return await send({"type": "http.response.body", "body": body})
+            message = f"the server is at its limit of {self.max_pending} pending requests; retry shortly"
+            return await send_error(send, 503, message, [(b"retry-after", b"1")])
         self.pending += 1
         try:
             await self.app(scope, receive, send)

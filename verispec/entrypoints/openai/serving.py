@@ -16,7 +16,7 @@ from fastapi import Request
 from verispec.engine.core_client import AsyncEngineClient, EngineDeadError
 from verispec.engine.core_protocol import LogprobRow, RequestDelta
 from verispec.entrypoints.openai.metrics import ServerMetrics
-from verispec.entrypoints.openai.protocol import PromptLogprob, UsageInfo
+from verispec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
 from verispec.sampling_params import SamplingParams
 
 # JSON has no -inf: a masked alternative's score is reported as this, as vLLM does.
@@ -42,6 +42,9 @@ class RequestError(Exception):
         self.headers = headers
         self.type = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                               413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+
+    def response_body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
 
 
 def json_float(x: float) -> float:
@@ -253,13 +256,9 @@ def prompt_logprobs_json(rows: list[LogprobRow | None] | None) -> list[dict[str,
 
 def error_json(exc: Exception) -> str:
     """The OpenAI error body for an exception (a RequestError keeps its status, type and field)."""
-    from verispec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-
-    if isinstance(exc, RequestError):
-        info = ErrorInfo(message=exc.message, type=exc.type, param=exc.param, code=exc.status)
-    else:
-        info = ErrorInfo(message=f"internal error: {type(exc).__name__}: {exc}", type="InternalServerError", code=500)
-    return ErrorResponse(error=info).model_dump_json()
+    if not isinstance(exc, RequestError):
+        exc = RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500)
+    return exc.response_body().model_dump_json()
 
 
 def sse(payload: str) -> str:
