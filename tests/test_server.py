@@ -2,7 +2,7 @@
 the official `openai` client, `requests` and `curl`, checked against the in-process `LLM`.
 
 The server runs with the same engine options as the `smollm2_llm` fixture, so a request run alone
-gives bit-identical logprobs on both sides.
+gives the same logprobs on both sides (to float rounding of the CPU kernels).
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def spec_server():
 
 
 def _assert_same_entry(http_value: float, engine_value: float) -> None:
-    assert http_value == engine_value, (http_value, engine_value)  # bit-identical, not approximately
+    # Usually bit-identical; two processes running the same matmuls have been seen to differ by
+    # 6e-5 (CPU kernel reduction order), so the DESIGN's 1e-4 logprob tolerance is the bound.
+    assert abs(http_value - engine_value) <= 1e-4, (http_value, engine_value)
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -71,7 +73,9 @@ def test_chat_logprobs_equal_in_process(server, smollm2_llm):
         assert values == sorted(values, reverse=True)
         top_ref = sorted((lp for lp in ref_entry.values() if lp.rank is not None and lp.rank <= 5),
                          key=lambda lp: lp.rank)
-        assert values == [lp.logprob for lp in top_ref]
+        assert [t.token for t in entry.top_logprobs] == [lp.decoded_token for lp in top_ref]
+        for value, lp in zip(values, top_ref):
+            _assert_same_entry(value, lp.logprob)
         if ref_entry[tok].rank == 1:  # greedy: the chosen token is the top entry, same float
             assert entry.top_logprobs[0].token == entry.token
             assert entry.top_logprobs[0].logprob == entry.logprob
@@ -162,8 +166,11 @@ def test_completion_logprobs_modes_and_prompt_logprobs_equal_in_process(server, 
     assert prompt_lp[0] is None and len(prompt_lp) == len(ref.prompt_token_ids)
     for http_entry, ref_entry in zip(prompt_lp[1:], ref.prompt_logprobs[1:]):
         # JSON has no -inf: a masked (top-k) prompt token is reported as -9999.0, as vLLM does
-        assert {int(t): e["logprob"] for t, e in http_entry.items()} == {
-            t: lp.logprob if math.isfinite(lp.logprob) else -9999.0 for t, lp in ref_entry.items()}
+        got = {int(t): e["logprob"] for t, e in http_entry.items()}
+        want = {t: lp.logprob if math.isfinite(lp.logprob) else -9999.0 for t, lp in ref_entry.items()}
+        assert got.keys() == want.keys()
+        for t in got:
+            _assert_same_entry(got[t], want[t])
         assert {int(t): e["rank"] for t, e in http_entry.items()} == {t: lp.rank for t, lp in ref_entry.items()}
 
 
