@@ -281,22 +281,21 @@ def test_one_hot_verifier_with_fresh_noise_fails_the_distribution_test(small_voc
     """The one-hot rule is exact because a rejected row emits the winner of the same race that
     rejected the draft. Emitting a fresh race's winner instead (which may be the rejected draft
     again) must be caught."""
-    import verispec.engine.runner as runner_mod
+    import verispec.spec_decode.verify_batch as verify_mod
 
     path, model = small_vocab_model
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
-    original = rejection.verify
+    original = rejection.row_outcomes
 
-    def fresh_after_rejection(target_logits, draft_tokens, num_drafts, draft_probs, has_q, noise, first_pos):
-        out = original(target_logits, draft_tokens, num_drafts, draft_probs, has_q, noise, first_pos)
-        fresh = [None if n is None else RequestNoise(f"fresh:{n.bases['sample']}") for n in noise]
-        other = original(target_logits, draft_tokens, num_drafts, draft_probs, has_q, fresh, first_pos)
-        rejected = (out.num_accepted == 0) & torch.tensor([d > 0 for d in num_drafts])
-        out.sampled[:, 0] = torch.where(rejected, other.sampled[:, 0].where(other.num_accepted == 0,
-                                        draft_tokens[:, 0]), out.sampled[:, 0])
+    def fresh_after_rejection(processed, drafts, is_bonus, greedy, race, *rest):
+        out = original(processed, drafts, is_bonus, greedy, race, *rest)
+        fresh = original(processed, drafts, is_bonus, greedy, torch.empty_like(race).exponential_(), *rest)
+        # A rejected row emits the winner of a new race, which may be the rejected draft itself.
+        out.emit = torch.where(out.accept | is_bonus, out.emit, fresh.emit.where(~fresh.accept, drafts))
+        out.selected = torch.where(out.accept, drafts, out.emit)
         return out
 
-    monkeypatch.setattr(runner_mod, "verify", fresh_after_rejection)
+    monkeypatch.setattr(verify_mod, "row_outcomes", fresh_after_rejection)
     n = 3000
     exact = exact_two_token_distribution(model, PROMPT16, params)
     counts = sample_pairs(path, PROMPT16, params, n, NGRAM3)

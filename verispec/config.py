@@ -85,7 +85,14 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None  # draft_model: checkpoint with the target's tokenizer
     num_layers: int | None = None  # layer_skip: the target's first layers used as the draft
+    # Per-request draft budgets decided on the device (spec_decode/adaptive.py).
     adaptive_verification: bool = False
+    # [[num_tokens, seconds], ...]: the forward's cost table for adaptive verification; None
+    # profiles the model at start-up.
+    cost_table: list | None = None
+    # Verification processes at most this many rows at a time (logits, processors, scores): it
+    # bounds the step's [rows, vocab] temporaries. None: all rows at once.
+    max_verify_rows_per_chunk: int | None = None
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -114,6 +121,23 @@ class SpeculativeConfig:
                 "speculative_config.prompt_lookup_min and prompt_lookup_max must satisfy "
                 f"1 <= min <= max; got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
             )
+        if not isinstance(self.adaptive_verification, bool):
+            raise ValueError(
+                f"speculative_config.adaptive_verification must be true or false; got {self.adaptive_verification!r}"
+            )
+        rows = self.max_verify_rows_per_chunk
+        if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+            raise ValueError(f"speculative_config.max_verify_rows_per_chunk must be an integer >= 1; got {rows!r}")
+        if self.cost_table is not None:
+            table = self.cost_table
+            ok = isinstance(table, (list, tuple)) and len(table) > 0 and all(
+                isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) and p[0] >= 1
+                and isinstance(p[1], (int, float)) and p[1] > 0 for p in table
+            )
+            if not ok:
+                raise ValueError(
+                    "speculative_config.cost_table must be a non-empty list of [num_tokens >= 1, seconds > 0] pairs"
+                )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for method 'draft_model'")
         if self.method == "layer_skip" and (not isinstance(self.num_layers, int) or self.num_layers < 1):

@@ -21,6 +21,7 @@ from verispec.models.loader import load_checkpoint, load_tokenizer
 from verispec.outputs import RequestOutput
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
+from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 from verispec.spec_decode.drafter import make_drafter
 from verispec.spec_decode.metrics import SpecDecodeMetrics
 
@@ -80,6 +81,20 @@ class LLMEngine:
         if config.speculative:
             self.drafter = make_drafter(config.speculative, self.model, self.tokenizer, config)
         self.runner.drafter = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
+        if config.speculative is not None and config.speculative.adaptive_verification:
+            self.runner.adaptive = self._adaptive_controller(config)
+
+    def _adaptive_controller(self, config: EngineConfig) -> AdaptiveController:
+        spec = config.speculative
+        k = spec.num_speculative_tokens
+        if spec.cost_table is not None:
+            cost = CostModel([int(n) for n, _ in spec.cost_table], [float(t) for _, t in spec.cost_table])
+        else:
+            most = min(config.max_num_batched_tokens, config.max_num_seqs * (k + 1))
+            cost = CostModel.profile(self.model, config.block_size, most, config.device)
+            logger.info("adaptive verification cost table: %s",
+                        ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(cost.tokens, cost.seconds)))
+        return AdaptiveController(k, cost, exact_host_scores=not self.drafter.needs_forward)
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -213,7 +228,7 @@ class LLMEngine:
             req.num_computed_tokens += s.num_new_tokens
             if s.spec_tokens:
                 accepted = result.num_accepted[req.request_id]
-                self.spec_metrics.observe(len(s.spec_tokens), accepted)
+                self.spec_metrics.observe(result.num_verified.get(req.request_id, len(s.spec_tokens)), accepted)
                 # The cache now holds the accepted drafts; slots of rejected ones go back.
                 req.num_computed_tokens += accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
@@ -251,7 +266,7 @@ class LLMEngine:
                 logger.error("request %s failed: %s", rid, "".join(traceback.format_exception(part_exc)))
                 failed[rid] = f"{type(part_exc).__name__}: {part_exc}"
                 continue
-            for name in ("sampled", "logprobs", "prompt_logprobs", "num_accepted"):
+            for name in ("sampled", "logprobs", "prompt_logprobs", "num_verified", "num_accepted"):
                 getattr(merged, name).update(getattr(part, name))
         return merged, failed
 
@@ -291,4 +306,5 @@ class LLMEngine:
             "kv_cache_usage": self.pool.usage,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            **({"adaptive": self.runner.adaptive.stats.as_dict()} if self.runner.adaptive is not None else {}),
         }

@@ -54,9 +54,15 @@ class Request:
     # Model drafters keep the draft values on the device ([k] int64); spec_tokens may then hold
     # placeholders of the right length.
     draft_tensor: Any = None
+    # Model drafters: q(x_j) of each draft, on the device ([k] fp32): the slots' confidences.
+    draft_conf: Any = None
+    # Adaptive verification (spec_decode/adaptive.py): the per-position acceptance EMA, and the
+    # survival scores of the drafts this request verified last (model drafters).
+    spec_confidence: list[float] | None = None
+    spec_survival: list[float] | None = None
 
     def clear_drafts(self) -> None:
-        self.spec_tokens, self.draft_probs, self.draft_tensor = [], None, None
+        self.spec_tokens, self.draft_probs, self.draft_tensor, self.draft_conf = [], None, None, None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -26,7 +26,7 @@ from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.sample.sampler import sample
-from verispec.spec_decode.rejection import verify
+from verispec.spec_decode.verify_batch import VerifyRequest, verify_batch
 
 
 def _contains_run(ids: list[int], run: list[int]) -> bool:
@@ -43,7 +43,8 @@ class StepResult:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Per request: (first prompt position scored, rows predicting the following prompt tokens).
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
-    # Per speculating request: how many of its drafts were accepted.
+    # Per speculating request: how many of its drafts were verified, and how many accepted.
+    num_verified: dict[str, int] = field(default_factory=dict)
     num_accepted: dict[str, int] = field(default_factory=dict)
 
 
@@ -67,7 +68,11 @@ class SampleOutput:
     sampled: torch.Tensor  # [R, K+1] emitted tokens, -1 padded (K = 0 without drafts)
     num_sampled: torch.Tensor  # [R]
     logprobs: LogprobsTensors | None
-    lp_start: dict[int, int]  # request index -> its first row in `logprobs` (host layout)
+    # Request index -> its first row in `logprobs` (host layout); None: verification, whose rows
+    # are sliced by the device boundaries that come back with the copy.
+    lp_start: dict[int, int] | None
+    capacities: torch.Tensor | None = None  # [R] drafts verified per request (verification)
+    confidence: torch.Tensor | None = None  # [R, K] model drafters' q(x) (adaptive)
 
 
 def row_spec(req: Request, purpose: str | None, drafts: list[int] = ()) -> RowSpec:
@@ -126,6 +131,9 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
         self.drafter = None  # a model-based drafter drafts inside the step, before the verify forward
+        self.adaptive = None  # AdaptiveController when speculative_config["adaptive_verification"]
+        spec = config.speculative
+        self.max_verify_rows = spec.max_verify_rows_per_chunk if spec is not None else None
         # Test hook for crash isolation: a step whose batch feeds this run of token ids raises, as
         # a model error would. Read once from the environment so a server's core process can be
         # armed; a run of several ids keeps random (fuzzed) prompts from tripping it by chance.
@@ -176,6 +184,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        budget = None
+        if self.adaptive is not None and any(s.spec_tokens for s in sched.scheduled):
+            budget = self.adaptive.plan(sched.scheduled)  # host values only; trims the drafts
         if self.drafter is not None:
             self.drafter.draft(self, sched.scheduled)
         batch = self.build_batch(sched)
@@ -192,87 +203,80 @@ class ModelRunner:
             self.drafter.observe(self, input_ids, positions, meta)
         result = StepResult()
         prompt_jobs = self._score_prompts(batch, hidden)
-        out = self._sample(batch, hidden) if batch.sample_rows else None
+        out = self._sample(batch, hidden, budget) if batch.sample_rows else None
 
         # The step's single device-to-host transfer and synchronisation point.
         host = None
         if out is not None:
-            host = (out.sampled.to("cpu", non_blocking=True), out.num_sampled.to("cpu", non_blocking=True),
+            move = lambda t: None if t is None else t.to("cpu", non_blocking=True)  # noqa: E731
+            host = (move(out.sampled), move(out.num_sampled), move(out.capacities), move(out.confidence),
                     out.logprobs.to_cpu_nonblocking() if out.logprobs is not None else None)
         prompt_host = [(req, lo, t.to_cpu_nonblocking()) for req, lo, t in prompt_jobs]
         if dev.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
         if host is not None:
-            sampled, num_sampled, lp_host = host[0].tolist(), host[1].tolist(), host[2]
-            lists = lp_host.tolists() if lp_host is not None else None
-            for i, req in enumerate(batch.sample_reqs):
-                n = num_sampled[i]
-                result.sampled[req.request_id] = sampled[i][:n]
-                if batch.drafts[i]:
-                    result.num_accepted[req.request_id] = n - 1
-                if lists is not None and i in out.lp_start:
-                    start = out.lp_start[i]
-                    result.logprobs[req.request_id] = LogprobsLists(
-                        lists.logprob_token_ids[start : start + n], lists.logprobs[start : start + n],
-                        lists.selected_token_ranks[start : start + n],
-                    )
+            self._read_samples(batch, out, host, result)
         for req, lo, t in prompt_host:
             result.prompt_logprobs[req.request_id] = (lo, t.tolists())
         return result
 
-    def _sample(self, batch: FlatBatch, hidden: torch.Tensor) -> "SampleOutput":
-        """Processes every sampled/verify row, then samples (no drafts) or verifies (drafts)."""
+    def _read_samples(self, batch: FlatBatch, out: SampleOutput, host: tuple, result: StepResult) -> None:
+        """After the synchronisation: each request's tokens, logprob rows and draft outcome."""
+        sampled, num_sampled = host[0].tolist(), host[1].tolist()
+        capacities = host[2].tolist() if host[2] is not None else None
+        confidence = host[3].tolist() if host[3] is not None else None
+        lists = host[4].tolists() if host[4] is not None else None
+        for i, req in enumerate(batch.sample_reqs):
+            n = num_sampled[i]
+            rid = req.request_id
+            result.sampled[rid] = sampled[i][:n]
+            if batch.drafts[i]:
+                result.num_accepted[rid] = n - 1
+                result.num_verified[rid] = capacities[i]
+                if self.adaptive is not None:
+                    q = confidence[i][: len(batch.drafts[i])] if confidence is not None else None
+                    self.adaptive.observe(req, capacities[i], n - 1, q)
+            if lists is None:
+                continue
+            if out.lp_start is None:
+                if req.params.logprobs is not None or req.params.logprob_token_ids is not None:
+                    result.logprobs[rid] = lists.slice_request(i, n)
+            elif i in out.lp_start:
+                start = out.lp_start[i]
+                result.logprobs[rid] = LogprobsLists(
+                    lists.logprob_token_ids[start : start + n], lists.logprobs[start : start + n],
+                    lists.selected_token_ranks[start : start + n],
+                )
+
+    def _sample(self, batch: FlatBatch, hidden: torch.Tensor, budget: int | None = None) -> "SampleOutput":
+        """Samples the rows of a step without drafts; a step with drafts goes to verification."""
+        if any(batch.drafts):
+            return self._verify(batch, hidden, budget)
         dev = self.device
-        rows: list[RowSpec] = []
-        for req, spec in zip(batch.sample_reqs, batch.drafts):
-            for j in range(len(spec) + 1):
-                # Verify row j assumes drafts 1..j were accepted: penalties and min_tokens see them.
-                rows.append(row_spec(req, "sample", spec[:j]))
+        rows = [row_spec(req, "sample") for req in batch.sample_reqs]
         logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
         md = SamplingMetadata.build(rows, self.vocab_size, dev)
         processed = apply_processors(logits, md)
-        num_reqs = len(batch.sample_reqs)
-        k = max(len(d) for d in batch.drafts)
-        if k == 0:
-            tokens = sample(processed, md)
-            sampled, num_sampled, selected = tokens[:, None], torch.ones_like(tokens), tokens
-        else:
-            dest, padded_drafts = [], []
-            for i, spec in enumerate(batch.drafts):
-                dest.extend(i * (k + 1) + j for j in range(len(spec) + 1))
-                padded_drafts.append(spec + [0] * (k - len(spec)))
-            dest_t = torch.tensor(dest, dtype=torch.long, device=dev)
-            drafts_t = torch.tensor(padded_drafts, dtype=torch.long, device=dev)
-            for i, t in enumerate(batch.draft_tensors):
-                if t is not None:
-                    drafts_t[i, : t.shape[0]] = t
-            # Padding rows hold zeros (a uniform row); verification never reads them.
-            padded = processed.new_zeros(num_reqs * (k + 1), processed.shape[1]).index_copy_(0, dest_t, processed)
-            greedy = [r.params.greedy for r in batch.sample_reqs]
-            q = None
-            if any(p is not None for p in batch.draft_probs):
-                # Requests without drafts get zero q rows; verification masks them out.
-                q = processed.new_zeros(num_reqs, k, processed.shape[1])
-                for i, rows_q in enumerate(batch.draft_probs):
-                    if rows_q is not None:
-                        q[i, : rows_q.shape[0]] = rows_q
-            out = verify(
-                padded.view(num_reqs, k + 1, -1),
-                drafts_t,
-                [len(d) for d in batch.drafts],
-                q,
-                [p is not None for p in batch.draft_probs],
-                [None if g else r.noise for g, r in zip(greedy, batch.sample_reqs)],
-                [r.num_tokens for r in batch.sample_reqs],
-            )
-            sampled, num_sampled = out.sampled, out.num_sampled
-            # Each row is scored at the token it emits (padding -1 -> 0; those rows are dropped).
-            selected = sampled.reshape(-1)[dest_t].clamp_min(0)
-        lp, order = score_rows(logits, processed, selected, rows, self.vocab_size)
-        # Rows of one request are contiguous in `rows` and keep their order inside a mode group.
-        lp_start: dict[int, int] = {}
-        req_of_row = [i for i, spec in enumerate(batch.drafts) for _ in range(len(spec) + 1)]
-        for pos, row in enumerate(order):
-            lp_start.setdefault(req_of_row[row], pos)
-        return SampleOutput(sampled, num_sampled, lp, lp_start)
+        tokens = sample(processed, md)
+        lp, order = score_rows(logits, processed, tokens, rows, self.vocab_size)
+        return SampleOutput(tokens[:, None], torch.ones_like(tokens), lp, {req: pos for pos, req in enumerate(order)})
+
+    def _verify(self, batch: FlatBatch, hidden: torch.Tensor, budget: int | None) -> "SampleOutput":
+        reqs, row = [], 0
+        for req, spec, q, t in zip(batch.sample_reqs, batch.drafts, batch.draft_probs, batch.draft_tensors):
+            # Row j assumes drafts 1..j were accepted: penalties and min_tokens see them.
+            rows = [row_spec(req, "sample", spec[:j]) for j in range(len(spec) + 1)]
+            host_scores = None
+            if self.adaptive is not None and self.drafter is None and spec:
+                host_scores = self.adaptive.host_scores(req, len(spec))
+            reqs.append(VerifyRequest(
+                spec=rows[0], rows=rows, first_flat_row=batch.sample_rows[row], host_drafts=list(spec),
+                device_drafts=t, q=q, confidence=req.draft_conf if spec else None, host_scores=host_scores,
+            ))
+            row += len(spec) + 1
+        calibration = None
+        if self.adaptive is not None and self.drafter is not None:
+            calibration = self.adaptive.calibration_tensors(self.device)
+        out = verify_batch(self.model, hidden, reqs, self.vocab_size, budget, self.max_verify_rows, calibration)
+        return SampleOutput(out.sampled, out.num_sampled, out.logprobs, None, out.capacities, out.confidence)

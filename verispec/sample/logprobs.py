@@ -7,6 +7,8 @@ never a full fp32 copy made just to gather from it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from verispec.outputs import LogprobsTensors
@@ -55,3 +57,64 @@ def compute_topk_scores(
     if as_logprobs:
         values = values - streaming_logsumexp(scores)[:, None]
     return LogprobsTensors(logprob_token_ids=token_ids, logprobs=values, selected_token_ranks=ranks)
+
+
+@dataclass(slots=True)
+class RequestScoring:
+    """Per-request logprob settings as device tensors, for rows whose request is known only on
+    the device (compact verification): each row takes its request's mode and ids by gathering."""
+
+    is_raw: torch.Tensor  # [R] bool: raw scores (else processed)
+    is_logprobs: torch.Tensor  # [R] bool: normalised (else logits)
+    num_topk: int  # widest top-k asked (vocab for -1); 0 when nobody asks for top-k
+    custom_ids: torch.Tensor | None  # [R, C] ids (padded by repeating the first); None: nobody
+    is_custom: torch.Tensor | None  # [R] bool
+    all_raw: bool
+    all_processed: bool
+
+    @classmethod
+    def build(cls, specs: list, vocab: int, device: torch.device) -> "RequestScoring | None":
+        """specs: one RowSpec per request; None when no request wants logprobs."""
+        if not any(s.num_logprobs is not None or s.params.logprob_token_ids is not None for s in specs):
+            return None
+        custom = [s.params.logprob_token_ids for s in specs]
+        topks = [s.num_logprobs for s in specs if s.num_logprobs is not None and s.params.logprob_token_ids is None]
+        width = max((len(c) for c in custom if c), default=0)
+        raw = [s.mode.is_raw for s in specs]
+        return cls(
+            is_raw=torch.tensor(raw, dtype=torch.bool, device=device),
+            is_logprobs=torch.tensor([s.mode.is_logprobs for s in specs], dtype=torch.bool, device=device),
+            num_topk=vocab if -1 in topks else max(topks, default=0),
+            custom_ids=torch.tensor([(c + c[:1] * (width - len(c))) if c else [0] * width for c in custom],
+                                    dtype=torch.long, device=device) if width else None,
+            is_custom=torch.tensor([bool(c) for c in custom], dtype=torch.bool, device=device) if width else None,
+            all_raw=all(raw),
+            all_processed=not any(raw),
+        )
+
+    def score(self, raw: torch.Tensor, processed: torch.Tensor, selected: torch.Tensor,
+              row_req: torch.Tensor) -> LogprobsTensors:
+        """Scores rows [n] of requests row_req [n] (device), each in its own request's mode."""
+        if self.all_raw or self.all_processed:
+            scores = raw if self.all_raw else processed
+        else:
+            scores = torch.where(self.is_raw[row_req][:, None], raw.float(), processed)
+        selected = selected.long()[:, None]
+        chosen = scores.gather(1, selected)
+        ranks = (scores >= chosen).sum(dim=-1)
+        ids, vals = selected[:, :0], chosen[:, :0]
+        if self.num_topk:
+            vals, ids = scores.topk(min(self.num_topk, scores.shape[1]), dim=-1)
+        if self.custom_ids is not None:
+            c_ids = self.custom_ids[row_req]
+            c_vals = scores.gather(1, c_ids)
+            width = max(ids.shape[1], c_ids.shape[1])
+            pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
+            use = self.is_custom[row_req][:, None]
+            ids = torch.where(use, pad(c_ids, 0), pad(ids, 0))
+            vals = torch.where(use, pad(c_vals, float("-inf")), pad(vals, float("-inf")))
+        values = torch.cat([chosen, vals], dim=1).float()
+        lse = streaming_logsumexp(scores)
+        values = values - torch.where(self.is_logprobs[row_req], lse, torch.zeros_like(lse))[:, None]
+        return LogprobsTensors(logprob_token_ids=torch.cat([selected, ids], dim=1), logprobs=values,
+                               selected_token_ranks=ranks)

@@ -7,7 +7,7 @@ from parameters, never from device values, so skipping a stage costs no synchron
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,6 +55,26 @@ class SamplingMetadata:
     any_min_p: bool
     any_penalty: bool
     any_sparse: bool  # allowed ids, bad words, min_tokens or logit_bias somewhere
+    # A view (see `select`): logits row r belongs to `rows[row_index[r]]`, a device-side map.
+    row_index: torch.Tensor | None = None
+    # Tensors the processors build from `rows` once and share with every view of them.
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows) if self.row_index is None else self.row_index.shape[0]
+
+    def select(self, row_index: torch.Tensor) -> "SamplingMetadata":
+        """Metadata for logits rows picked from `rows` on the device (compact verification): the
+        per-row tensors are gathered, host-built ones are gathered when a stage builds them."""
+        return replace(
+            self,
+            temperature=self.temperature[row_index],
+            top_k=self.top_k[row_index],
+            top_p=self.top_p[row_index],
+            min_p=self.min_p[row_index],
+            row_index=row_index,
+        )
 
     @classmethod
     def build(cls, rows: list[RowSpec], vocab_size: int, device: torch.device) -> "SamplingMetadata":

@@ -33,24 +33,66 @@ def apply_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     return out
 
 
-def _apply_sparse(out: torch.Tensor, md: SamplingMetadata) -> None:
-    vocab = out.shape[1]
+def _sparse_entries(md: SamplingMetadata, device: torch.device) -> dict[str, torch.Tensor]:
+    """Host-built per-row edits as (row, column[, value]) lists over `md.rows`, built once."""
+    if "sparse" in md.cache:
+        return md.cache["sparse"]
+    allow_rows, allow_cols, ban_rows, ban_cols, bias_rows, bias_cols, bias_vals = [], [], [], [], [], [], []
+    has_allow = []
     for i, row in enumerate(md.rows):
         p = row.params
+        has_allow.append(bool(p.allowed_token_ids))
         if p.allowed_token_ids:
-            keep = torch.zeros(vocab, dtype=torch.bool, device=out.device)
-            keep[torch.tensor(p.allowed_token_ids, device=out.device)] = True
-            out[i].masked_fill_(~keep, NEG_INF)
+            allow_rows.extend([i] * len(p.allowed_token_ids))
+            allow_cols.extend(p.allowed_token_ids)
         if not row.position_independent:
             banned = _banned_by_bad_words(p._bad_words_token_ids, row.output_ids)
             if p.min_tokens and len(row.output_ids) < p.min_tokens:
                 banned.extend(row.stop_ids)
-            if banned:
-                out[i, torch.tensor(banned, dtype=torch.long, device=out.device)] = NEG_INF
+            ban_rows.extend([i] * len(banned))
+            ban_cols.extend(banned)
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long, device=out.device)
-            vals = torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
-            out[i].index_add_(0, ids, vals)
+            bias_rows.extend([i] * len(p.logit_bias))
+            bias_cols.extend(p.logit_bias.keys())
+            bias_vals.extend(p.logit_bias.values())
+    long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    md.cache["sparse"] = entries = {
+        "has_allow": torch.tensor(has_allow, dtype=torch.bool, device=device),
+        "allow": (long(allow_rows), long(allow_cols)),
+        "ban": (long(ban_rows), long(ban_cols)),
+        "bias": (long(bias_rows), long(bias_cols), torch.tensor(bias_vals, dtype=torch.float32, device=device)),
+    }
+    return entries
+
+
+def _apply_sparse(out: torch.Tensor, md: SamplingMetadata) -> None:
+    """Allowed ids, bad words, min_tokens and logit_bias. On a view (md.row_index), rows of `rows`
+    that are not in the view are sent to a scratch row: the map lives on the device."""
+    e = _sparse_entries(md, out.device)
+    n, vocab = out.shape
+    has_allow = e["has_allow"]
+    target = out
+    if md.row_index is None:
+        place = lambda rows: rows  # noqa: E731
+    else:
+        has_allow = has_allow[md.row_index]
+        where = torch.full((len(md.rows),), n, dtype=torch.long, device=out.device)
+        where.index_copy_(0, md.row_index, torch.arange(n, device=out.device))
+        place = lambda rows: where[rows]  # noqa: E731
+        target = torch.cat([out, out.new_zeros(1, vocab)])
+    rows, cols = e["allow"]
+    if rows.numel():
+        keep = torch.zeros(target.shape, dtype=torch.bool, device=out.device)
+        keep.index_put_((place(rows), cols), torch.ones_like(cols, dtype=torch.bool))
+        target[:n].masked_fill_(~keep[:n] & has_allow[:, None], NEG_INF)
+    rows, cols = e["ban"]
+    if rows.numel():
+        target.index_put_((place(rows), cols), torch.full(cols.shape, NEG_INF, dtype=target.dtype, device=out.device))
+    rows, cols, vals = e["bias"]
+    if rows.numel():
+        target.index_put_((place(rows), cols), vals.to(target.dtype), accumulate=True)
+    if target is not out:
+        out.copy_(target[:n])
 
 
 def _banned_by_bad_words(bad_words: list[list[int]], output_ids: list[int]) -> list[int]:
@@ -63,8 +105,11 @@ def _banned_by_bad_words(bad_words: list[list[int]], output_ids: list[int]) -> l
     return banned
 
 
-def _apply_penalties(out: torch.Tensor, md: SamplingMetadata) -> None:
-    rows, vocab, device = len(md.rows), out.shape[1], out.device
+def _penalty_tensors(md: SamplingMetadata, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per row of `md.rows`: the three penalties, seen-token mask and output counts, built once."""
+    if "penalty" in md.cache:
+        return md.cache["penalty"]
+    rows = len(md.rows)
     rep = torch.ones(rows, device=device)
     pres = torch.zeros(rows, device=device)
     freq = torch.zeros(rows, device=device)
@@ -83,6 +128,14 @@ def _apply_penalties(out: torch.Tensor, md: SamplingMetadata) -> None:
             seen[i, ids] = True
     seen, counts = seen[:, :vocab], counts[:, :vocab]
     seen |= counts > 0
+    md.cache["penalty"] = tensors = (rep, pres, freq, seen, counts)
+    return tensors
+
+
+def _apply_penalties(out: torch.Tensor, md: SamplingMetadata) -> None:
+    rep, pres, freq, seen, counts = _penalty_tensors(md, out.shape[1], out.device)
+    if md.row_index is not None:
+        rep, pres, freq, seen, counts = (t[md.row_index] for t in (rep, pres, freq, seen, counts))
     # Repetition (prompt + output): shrink positive logits, grow negative ones, by the penalty.
     penalised = torch.where(out > 0, out / rep[:, None], out * rep[:, None])
     out.copy_(torch.where(seen, penalised, out))

@@ -80,6 +80,7 @@ class ModelDrafter:
         pool, dev = runner.pool, runner.device
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
+        confidence: list[list[torch.Tensor]] = [[] for _ in jobs]
         device_drafts: list[list[torch.Tensor]] = [[] for _ in jobs]
         last = torch.tensor([s.request.token_ids[s.request.num_computed_tokens] for s in jobs], device=dev)
         for j in range(max(len(s.spec_tokens) for s in jobs)):
@@ -100,6 +101,7 @@ class ModelDrafter:
             processed = apply_processors(model.compute_logits(hidden), md)
             tokens = sample(processed, md)
             q = processed.softmax(dim=-1)
+            conf = q.gather(1, tokens[:, None]).squeeze(1)  # q(x): the slot's confidence
             last = last.index_copy(0, index, tokens)
             # Drafts stay on the device. Only a request whose processors read token values
             # (penalties, bad words) needs them on the host for the next rows' histories: that
@@ -108,11 +110,13 @@ class ModelDrafter:
             for row, i in enumerate(active):
                 drafts[i].append(values[row] if values is not None else 0)
                 probs[i].append(q[row])
+                confidence[i].append(conf[row])
                 device_drafts[i].append(tokens[row])
-        for s, d, q, t in zip(jobs, drafts, probs, device_drafts):
+        for s, d, q, t, c in zip(jobs, drafts, probs, device_drafts, confidence):
             s.spec_tokens = d
             s.request.draft_probs = torch.stack(q)
             s.request.draft_tensor = torch.stack(t)
+            s.request.draft_conf = torch.stack(c)
 
 
 def make_drafter(cfg: SpeculativeConfig, target, target_tokenizer, engine_config):

@@ -19,6 +19,13 @@ distribution p_j after the request's tokens plus drafts 1..j; drafts past num_dr
   rejection emits a draw from norm(max(p - q, 0)); the bonus is the row's race winner. u, the
   residual draw and the race use independent keyed streams (accept / recover / sample).
 
+The work is split in two so that verification can run in chunks of rows (DESIGN.md section 3):
+`row_outcomes` needs nothing but the row itself (its p, its draft, its q row and its noise), so any
+cut of the rows, even one through a request, gives the same result; `assemble` then finds each
+request's leading run of accepts over all rows at once. Rows are *compact*: request i owns rows
+cu[i] .. cu[i+1]-1, row j verifying draft j and the last one being the bonus row, with the
+boundaries possibly known only on the device (adaptive verification).
+
 Nothing here reads a device value on the host: all candidates are computed up front and the outcome
 is assembled with tensor ops.
 """
@@ -39,6 +46,13 @@ class VerifyOutput:
     num_accepted: torch.Tensor  # [R] int64
 
 
+@dataclass(slots=True)
+class RowOutcome:
+    accept: torch.Tensor  # [N] bool: the row's draft passes its test (False on bonus rows)
+    emit: torch.Tensor  # [N] int64: the token the row emits if it is the request's first non-accept
+    selected: torch.Tensor  # [N] int64: the token the row emits, whichever way (its logprob's token)
+
+
 def residual_distribution(
     probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
 ) -> torch.Tensor:
@@ -46,6 +60,51 @@ def residual_distribution(
     if draft_probs is None:
         return probs.scatter(-1, draft_tokens[..., None], 0.0)
     return (probs - draft_probs).clamp_min(0.0)
+
+
+def row_outcomes(
+    processed: torch.Tensor,  # [N, V] processed target logits
+    drafts: torch.Tensor,  # [N] the draft each row verifies (any valid id on bonus rows)
+    is_bonus: torch.Tensor,  # [N] bool
+    greedy: torch.Tensor,  # [N] bool
+    race: torch.Tensor | None,  # [N, V] Exp(1) `sample` noise (ones on greedy rows); None: all greedy
+    q: torch.Tensor | None = None,  # [N, V] draft probabilities (q-drafters); None: all one-hot
+    uses_q: torch.Tensor | None = None,  # [N] bool: the row's request has q (and is random)
+    accept_u: torch.Tensor | None = None,  # [N] float64 U(0,1) `accept` draws
+    recover: torch.Tensor | None = None,  # [N, V] Exp(1) `recover` noise
+) -> RowOutcome:
+    """Per-row verification statistics; rows are independent of each other."""
+    winners = processed.argmax(dim=-1)
+    probs = None
+    if race is not None:
+        probs = processed.softmax(dim=-1)
+        winners = torch.where(greedy, winners, (probs / race).argmax(dim=-1))
+    accept = drafts == winners
+    emit = winners
+    if q is not None:
+        probs = processed.softmax(dim=-1) if probs is None else probs
+        p_draft = probs.gather(-1, drafts[:, None]).squeeze(-1).double()
+        q_draft = q.gather(-1, drafts[:, None]).squeeze(-1).double()
+        accept_q = (accept_u * q_draft <= p_draft) & (q_draft > 0)
+        recovered = (residual_distribution(probs, drafts, q) / recover).argmax(dim=-1)
+        accept = torch.where(uses_q, accept_q, accept)
+        emit = torch.where(uses_q & ~is_bonus, recovered, emit)
+    accept = accept & ~is_bonus
+    return RowOutcome(accept=accept, emit=emit, selected=torch.where(accept, drafts, emit))
+
+
+def assemble(selected: torch.Tensor, accept: torch.Tensor, row_req: torch.Tensor, row_j: torch.Tensor,
+             num_reqs: int, width: int) -> VerifyOutput:
+    """Per-request outcome from per-row results: the leading run of accepts, the drafts it
+    keeps, and the token of the first non-accepted row (a replacement or the bonus)."""
+    accepted = torch.zeros(num_reqs, width, dtype=torch.long, device=selected.device)
+    accepted.index_put_((row_req, row_j), accept.long())
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [R]; a bonus row is never accepted
+    tokens = torch.full((num_reqs, width), -1, dtype=torch.long, device=selected.device)
+    tokens.index_put_((row_req, row_j), selected)
+    keep = torch.arange(width, device=selected.device)[None, :] <= num_accepted[:, None]
+    sampled = torch.where(keep, tokens, torch.full_like(tokens, -1))
+    return VerifyOutput(sampled=sampled, num_sampled=num_accepted + 1, num_accepted=num_accepted)
 
 
 def _keys(noise: list[RequestNoise | None], first_pos: list[int], counts: list[int], purpose: str,
@@ -67,48 +126,28 @@ def verify(
     noise: list[RequestNoise | None],  # [R] None for greedy requests
     first_pos: list[int],  # [R] sequence position that row 0 emits
 ) -> VerifyOutput:
+    """Verification of a padded [R, K+1] layout with host counts: `row_outcomes` on the real rows
+    then `assemble`. The engine builds compact rows itself (engine/verify_rows.py)."""
     r, k1, vocab = target_logits.shape
     k = k1 - 1
     device = target_logits.device
-    num_drafts_t = torch.tensor(num_drafts, dtype=torch.long, device=device)
-    in_draft = torch.arange(k, device=device)[None, :] < num_drafts_t[:, None]  # [R, K]
-    greedy_t = torch.tensor([n is None for n in noise], dtype=torch.bool, device=device)
-
-    # Every real row's winner: argmax for greedy rows, the keyed race for random ones.
-    probs = target_logits.softmax(dim=-1)  # [R, K+1, V]
-    race = exponential_rows(_keys(noise, first_pos, [c + 1 for c in num_drafts], "sample", k1), vocab, device)
-    winners = torch.where(
-        greedy_t[:, None], target_logits.argmax(dim=-1), (probs / race.view(r, k1, vocab)).argmax(dim=-1)
-    )  # [R, K+1]
-    accept = draft_tokens == winners[:, :k]
-    emit_at_reject = winners[:, :k]
-
-    if any(has_q) and k:
-        q_noise = [n if q else None for n, q in zip(noise, has_q)]
-        p_draft = probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1).double()
-        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1).double()
-        u = uniform_values(_keys(q_noise, first_pos, num_drafts, "accept", k), device).view(r, k)
-        accept_q = (u * q_draft <= p_draft) & (q_draft > 0)
-        residual = residual_distribution(probs[:, :k], draft_tokens, draft_probs)
-        recover_noise = exponential_rows(_keys(q_noise, first_pos, num_drafts, "recover", k), vocab, device)
-        recovered = (residual / recover_noise.view(r, k, vocab)).argmax(dim=-1)
-        uses_q = torch.tensor(has_q, dtype=torch.bool, device=device)[:, None] & ~greedy_t[:, None]
-        accept = torch.where(uses_q, accept_q, accept)
-        emit_at_reject = torch.where(uses_q, recovered, emit_at_reject)
-
-    accept &= in_draft
-    # Accepted drafts form a prefix: count the leading run of accepts.
-    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [R]
-    # The token at the first non-accepted position: a rejected draft's replacement, or the bonus.
-    bonus = winners.gather(1, num_accepted[:, None]).squeeze(1)
-    if k:
-        replaced = emit_at_reject.gather(1, num_accepted.clamp(max=k - 1)[:, None]).squeeze(1)
-        final = torch.where(num_accepted < num_drafts_t, replaced, bonus)
-    else:
-        final = bonus
-
-    out_pos = torch.arange(k1, device=device)[None, :]
+    rows = [(i, j) for i in range(r) for j in range(num_drafts[i] + 1)]
+    row_req = torch.tensor([i for i, _ in rows], dtype=torch.long, device=device)
+    row_j = torch.tensor([j for _, j in rows], dtype=torch.long, device=device)
+    flat = row_req * k1 + row_j
     padded_drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(r, 1)], dim=1)
-    sampled = torch.where(out_pos < num_accepted[:, None], padded_drafts, torch.full_like(padded_drafts, -1))
-    sampled = torch.where(out_pos == num_accepted[:, None], final[:, None], sampled)
-    return VerifyOutput(sampled=sampled, num_sampled=num_accepted + 1, num_accepted=num_accepted)
+    greedy = torch.tensor([noise[i] is None for i, _ in rows], dtype=torch.bool, device=device)
+    race = exponential_rows(_keys(noise, first_pos, [c + 1 for c in num_drafts], "sample", k1), vocab, device)
+    q = uses_q = u = recover = None
+    if draft_probs is not None and any(has_q) and k:
+        q_noise = [n if h else None for n, h in zip(noise, has_q)]
+        q = torch.cat([draft_probs, draft_probs.new_zeros(r, 1, vocab)], dim=1).view(-1, vocab)[flat]
+        uses_q = torch.tensor([has_q[i] and noise[i] is not None for i, _ in rows], dtype=torch.bool, device=device)
+        u = uniform_values(_keys(q_noise, first_pos, num_drafts, "accept", k1), device)[flat]
+        recover = exponential_rows(_keys(q_noise, first_pos, num_drafts, "recover", k1), vocab, device)[flat]
+    out = row_outcomes(
+        target_logits.reshape(-1, vocab)[flat], padded_drafts.reshape(-1)[flat],
+        row_j == torch.tensor(num_drafts, dtype=torch.long, device=device)[row_req], greedy,
+        race[flat], q, uses_q, u, recover,
+    )
+    return assemble(out.selected, out.accept, row_req, row_j, r, k1)

@@ -1,0 +1,231 @@
+"""Adaptive verification: how many draft tokens a step verifies, and whose (DESIGN.md section 2,
+step 3).
+
+Every drafted slot (request i, position j) gets a survival score s_ij = c_i1 * ... * c_ij, the
+chance that drafts 1..j are all accepted; c is the slot's confidence:
+
+- model drafters (layer_skip, draft_model): a calibrated function of q(x_j), the drafter's own
+  probability of its draft, known only on the device. q alone is a poor acceptance estimate (a
+  greedy request accepts when the argmaxes agree, however flat q is), so q is bucketed and each
+  bucket holds the engine's running acceptance rate for drafts with such a q; the table goes to
+  the device each step and the lookup happens there;
+- ngram: a per-request exponential moving average of past accept/reject outcomes at position j,
+  a host value.
+
+A step that verifies B drafts for R sampling requests emits R + (expected accepted drafts) tokens
+and costs about cost(base_tokens + B) where the cost is the target's forward time profiled at
+start-up. The host picks B from the scores it already has (ngram: this step's; model drafters:
+each request's survivals from its previous step, copied back with the step's one D2H copy), so it
+never waits for the device. It also trims each request's drafts to the host's own top slots (plus
+a little slack for model drafters, whose true scores it does not know yet): those tokens run
+through the forward. The device then admits the B highest-scoring slots by this step's scores:
+per-request capacities, always a prefix of each request's drafts, whose boundaries
+(`cu_num_logits`) exist only on the device. Only admitted rows and one bonus row per request get
+logits and verification.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# Per-request EMA weight of the newest accept/reject outcome (ngram confidences).
+REQUEST_EMA = 0.3
+# Engine-wide EMA weight: the starting confidence of a request with no history of its own.
+GLOBAL_EMA = 0.05
+PRIOR_CONFIDENCE = 0.5
+# Left edges of the q(x) buckets of the calibration table.
+Q_BUCKET_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Forward cost (seconds) against the number of tokens in the step, interpolated linearly
+    between profiled points and extrapolated from the last two."""
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.seconds) or not self.tokens:
+            raise ValueError("a cost table needs as many costs as token counts, and at least one")
+        pairs = sorted(zip(self.tokens, self.seconds))
+        self.tokens = [int(t) for t, _ in pairs]
+        # A longer step never costs less: profiling noise must not make the objective jump.
+        self.seconds = list(np.maximum.accumulate([max(float(s), 1e-9) for _, s in pairs]))
+
+    def __call__(self, num_tokens: int) -> float:
+        t, s = self.tokens, self.seconds
+        if num_tokens > t[-1] and len(t) > 1:
+            slope = (s[-1] - s[-2]) / (t[-1] - t[-2])
+            return s[-1] + slope * (num_tokens - t[-1])
+        return float(np.interp(num_tokens, t, s))
+
+    @classmethod
+    def profile(cls, model, block_size: int, max_tokens: int, device: torch.device) -> "CostModel":
+        """Times one forward plus logits over n one-token sequences, n on a doubling grid.
+
+        Runs at start-up, before any request owns a cache block: the dummy tokens write into
+        block 0, which the first real request overwrites.
+        """
+        from verispec.models.attention import SeqSpan, build_attention_metadata
+        from verispec.engine.kv_cache import KVCacheTensors
+
+        grid = sorted({1 << i for i in range(max(1, max_tokens).bit_length())} | {max(1, max_tokens)})
+        kv = KVCacheTensors(model.cfg, 1, block_size, model.dtype, device)
+        times = []
+        with torch.inference_mode():
+            for n in grid:
+                spans = [SeqSpan(i, 1, 1, [0]) for i in range(n)]
+                meta = build_attention_metadata(spans, block_size, device, model.dtype)
+                ids = torch.zeros(n, dtype=torch.long, device=device)
+                pos = torch.zeros(n, dtype=torch.long, device=device)
+                best = math.inf
+                for _ in range(2 if n <= 64 else 1):
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.compute_logits(model(ids, pos, meta, kv.layers)).softmax(dim=-1)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    best = min(best, time.perf_counter() - t0)
+                times.append(best)
+        return cls(grid, times)
+
+
+def choose_budget(scores: list[float], num_emitting: int, base_tokens: int, cost: CostModel) -> int:
+    """The B in [0, len(scores)] maximising (num_emitting + sum of the B best scores) /
+    cost(base_tokens + B): expected tokens emitted per second. Ties go to the smaller B."""
+    ranked = sorted(scores, reverse=True)
+    best_b, best = 0, num_emitting / cost(base_tokens)
+    gain = float(num_emitting)
+    for b, s in enumerate(ranked, start=1):
+        gain += s
+        value = gain / cost(base_tokens + b)
+        if value > best * (1 + 1e-12):
+            best_b, best = b, value
+    return best_b
+
+
+def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
+    """Host twin of `admit`: how many of each request's slots fall in the `budget` best.
+
+    Scores are non-increasing along a request (products of numbers in [0, 1]), so the chosen
+    slots are a prefix of each request's drafts; ties break toward earlier requests.
+    """
+    flat = sorted(((-s, i, j) for i, row in enumerate(scores) for j, s in enumerate(row)))
+    counts = [0] * len(scores)
+    for _, i, _ in flat[:budget]:
+        counts[i] += 1
+    return counts
+
+
+def admit(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """Per-request capacities [R] (device int64) from survival scores [R, K] (-inf past a
+    request's drafts): the `budget` highest slots. Counting, not masking, makes each capacity a
+    prefix even when ties (equal scores) pick a later slot of a request over an earlier one."""
+    r, k = scores.shape
+    if budget <= 0 or k == 0:
+        return torch.zeros(r, dtype=torch.long, device=scores.device)
+    top = scores.reshape(-1).topk(budget).indices
+    return torch.zeros(r * k, dtype=torch.long, device=scores.device).index_fill_(0, top, 1).view(r, k).sum(dim=1)
+
+
+@dataclass(slots=True)
+class AdaptiveStats:
+    """Cumulative counters for `LLM.stats()["adaptive"]`."""
+
+    num_steps: int = 0
+    budget_total: int = 0  # sum over steps of B
+    drafted_total: int = 0  # drafts run through the forward (after the host's trim)
+    admitted_total: int = 0  # drafts that got logits and verification
+    capacity_histogram: list[int] = field(default_factory=list)  # [c] = requests verified with c drafts
+
+    def as_dict(self) -> dict:
+        return {
+            "num_steps": self.num_steps,
+            "budget_total": self.budget_total,
+            "drafted_total": self.drafted_total,
+            "admitted_total": self.admitted_total,
+            "mean_admitted_per_step": self.admitted_total / self.num_steps if self.num_steps else 0.0,
+            "capacity_histogram": list(self.capacity_histogram),
+        }
+
+
+class AdaptiveController:
+    """Host side of adaptive verification: confidences, the budget, the trim, the statistics."""
+
+    def __init__(self, k: int, cost: CostModel, exact_host_scores: bool):
+        self.k = k
+        self.cost = cost
+        # ngram: the host's scores are this step's own, so the trim is exact and needs no slack.
+        self.exact_host_scores = exact_host_scores
+        self.global_confidence = [PRIOR_CONFIDENCE] * k
+        # q(x) -> acceptance rate, one table for greedy requests and one for random ones.
+        self.calibration = [[PRIOR_CONFIDENCE] * len(Q_BUCKET_EDGES) for _ in range(2)]
+        self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
+
+    def calibration_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bucket edges, [2, buckets] table) for the device-side lookup; host values, no sync."""
+        return (torch.tensor(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
+                torch.tensor(self.calibration, dtype=torch.float32, device=device))
+
+    def calibrated(self, q: float, greedy: bool) -> float:
+        return self.calibration[0 if greedy else 1][int(np.searchsorted(Q_BUCKET_EDGES, q, side="right")) - 1]
+
+    # ------------------------------------------------------------------ scores on the host
+    def request_confidence(self, req) -> list[float]:
+        if req.spec_confidence is None:
+            req.spec_confidence = list(self.global_confidence)
+        return req.spec_confidence
+
+    def host_scores(self, req, num_drafts: int) -> list[float]:
+        """The survival estimate of each of the request's slots, from host values only."""
+        if not self.exact_host_scores and req.spec_survival:
+            prev = req.spec_survival[:num_drafts]
+            conf = self.global_confidence
+            while len(prev) < num_drafts:  # a longer draft than last time: extend by the prior
+                prev.append(prev[-1] * conf[len(prev)])
+            return prev
+        return list(np.cumprod(self.request_confidence(req)[:num_drafts]))
+
+    # ------------------------------------------------------------------ the plan
+    def plan(self, scheduled) -> int:
+        """Picks this step's budget B and trims each request's drafts to the forward's share."""
+        drafting = [s for s in scheduled if s.spec_tokens]
+        scores = [self.host_scores(s.request, len(s.spec_tokens)) for s in drafting]
+        num_emitting = sum(1 for s in scheduled if s.samples)
+        base = sum(s.num_new_tokens for s in scheduled)
+        flat = [x for row in scores for x in row]
+        budget = choose_budget(flat, num_emitting, base, self.cost)
+        keep = budget if self.exact_host_scores else min(len(flat), budget + max(1, budget // 4))
+        for s, n in zip(drafting, top_slots_per_request(scores, keep)):
+            s.spec_tokens = s.spec_tokens[:n]
+            s.request.spec_tokens = s.spec_tokens
+        self.stats.num_steps += 1
+        self.stats.budget_total += budget
+        self.stats.drafted_total += keep
+        return budget
+
+    # ------------------------------------------------------------------ after the step
+    def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:
+        """One request's verified outcome: positions 0..capacity-1 were verified, the first
+        num_accepted accepted; the one after them (if verified) rejected, later ones unseen.
+        q: model drafters' q(x) of each draft, copied back with the step's outputs."""
+        self.stats.admitted_total += capacity
+        self.stats.capacity_histogram[capacity] += 1
+        conf = self.request_confidence(req)
+        table = self.calibration[0 if req.params.greedy else 1]
+        for j in range(min(num_accepted + 1, capacity)):
+            outcome = 1.0 if j < num_accepted else 0.0
+            conf[j] += REQUEST_EMA * (outcome - conf[j])
+            self.global_confidence[j] += GLOBAL_EMA * (outcome - self.global_confidence[j])
+            if q is not None:
+                b = int(np.searchsorted(Q_BUCKET_EDGES, q[j], side="right")) - 1
+                table[b] += GLOBAL_EMA * (outcome - table[b])
+        if q is not None:  # next step's estimate: this step's drafts, scored with the new table
+            req.spec_survival = list(np.cumprod([self.calibrated(x, req.params.greedy) for x in q]))
