@@ -54,7 +54,8 @@ class Request:
     # Model drafters keep the draft values on the device ([k] int64); spec_tokens may then hold
     # placeholders of the right length.
     draft_tensor: Any = None
-    # Model drafters: q(x_j) of each draft, on the device ([k] fp32): the slots' confidences.
+    # Model drafters: the peak of q at each draft position, on the device ([k] fp32): the slots'
+    # confidences (for a greedy request, q(x_j) itself).
     draft_conf: Any = None
     # Adaptive verification (spec_decode/adaptive.py): the per-position acceptance EMA, and the
     # survival scores of the drafts this request verified last (model drafters).

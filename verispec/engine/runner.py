@@ -72,7 +72,7 @@ class SampleOutput:
     # are sliced by the device boundaries that come back with the copy.
     lp_start: dict[int, int] | None
     capacities: torch.Tensor | None = None  # [R] drafts verified per request (verification)
-    confidence: torch.Tensor | None = None  # [R, K] model drafters' q(x) (adaptive)
+    confidence: torch.Tensor | None = None  # [R, K] model drafters' q peaks (adaptive)
 
 
 def row_spec(req: Request, purpose: str | None, drafts: list[int] = ()) -> RowSpec:

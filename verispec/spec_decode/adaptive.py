@@ -4,11 +4,15 @@ step 3).
 Every drafted slot (request i, position j) gets a survival score s_ij = c_i1 * ... * c_ij, the
 chance that drafts 1..j are all accepted; c is the slot's confidence:
 
-- model drafters (layer_skip, draft_model): a calibrated function of q(x_j), the drafter's own
-  probability of its draft, known only on the device. q alone is a poor acceptance estimate (a
-  greedy request accepts when the argmaxes agree, however flat q is), so q is bucketed and each
-  bucket holds the engine's running acceptance rate for drafts with such a q; the table goes to
-  the device each step and the lookup happens there;
+- model drafters (layer_skip, draft_model): a calibrated function of max_x q_j(x), the peak of the
+  drafter's distribution at position j, known only on the device. For a greedy request the draft
+  is that argmax, so this is q(x_j). For a random request it must not be q(x_j): verification is
+  exact only if whether slot j is verified does not depend on x_j itself (it may depend on
+  x_1..x_{j-1}); admitting high-q(x_j) drafts would skew the output toward the drafter's
+  favourites. The peak is a function of q_j, hence of the earlier drafts only. q alone is a poor
+  acceptance estimate (a greedy request accepts when the argmaxes agree, however flat q is), so
+  it is bucketed and each bucket holds the engine's running acceptance rate for drafts with such
+  a peak; the table goes to the device each step and the lookup happens there;
 - ngram: a per-request exponential moving average of past accept/reject outcomes at position j,
   a host value.
 
@@ -38,7 +42,7 @@ REQUEST_EMA = 0.3
 # Engine-wide EMA weight: the starting confidence of a request with no history of its own.
 GLOBAL_EMA = 0.05
 PRIOR_CONFIDENCE = 0.5
-# Left edges of the q(x) buckets of the calibration table.
+# Left edges of the q-peak buckets of the calibration table.
 Q_BUCKET_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 
 
@@ -126,12 +130,17 @@ def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
 
 def admit(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """Per-request capacities [R] (device int64) from survival scores [R, K] (-inf past a
-    request's drafts): the `budget` highest slots. Counting, not masking, makes each capacity a
-    prefix even when ties (equal scores) pick a later slot of a request over an earlier one."""
+    request's drafts): the `budget` highest slots.
+
+    Scores never rise along a request; a tiny per-position penalty makes them strictly fall, so
+    whether slot j is admitted depends on its own score and other requests' slots but never on
+    this request's later slots (whose scores depend on draft j). Counting admitted slots gives
+    the capacity, a prefix of the drafts."""
     r, k = scores.shape
     if budget <= 0 or k == 0:
         return torch.zeros(r, dtype=torch.long, device=scores.device)
-    top = scores.reshape(-1).topk(budget).indices
+    keys = scores.double() - 1e-9 * torch.arange(k, device=scores.device, dtype=torch.float64)[None, :]
+    top = keys.reshape(-1).topk(budget).indices
     return torch.zeros(r * k, dtype=torch.long, device=scores.device).index_fill_(0, top, 1).view(r, k).sum(dim=1)
 
 
@@ -165,7 +174,7 @@ class AdaptiveController:
         # ngram: the host's scores are this step's own, so the trim is exact and needs no slack.
         self.exact_host_scores = exact_host_scores
         self.global_confidence = [PRIOR_CONFIDENCE] * k
-        # q(x) -> acceptance rate, one table for greedy requests and one for random ones.
+        # q peak -> acceptance rate, one table for greedy requests and one for random ones.
         self.calibration = [[PRIOR_CONFIDENCE] * len(Q_BUCKET_EDGES) for _ in range(2)]
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
 
@@ -215,7 +224,7 @@ class AdaptiveController:
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:
         """One request's verified outcome: positions 0..capacity-1 were verified, the first
         num_accepted accepted; the one after them (if verified) rejected, later ones unseen.
-        q: model drafters' q(x) of each draft, copied back with the step's outputs."""
+        q: model drafters' q peak at each draft, copied back with the step's outputs."""
         self.stats.admitted_total += capacity
         self.stats.capacity_histogram[capacity] += 1
         conf = self.request_confidence(req)

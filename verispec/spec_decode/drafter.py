@@ -101,7 +101,11 @@ class ModelDrafter:
             processed = apply_processors(model.compute_logits(hidden), md)
             tokens = sample(processed, md)
             q = processed.softmax(dim=-1)
-            conf = q.gather(1, tokens[:, None]).squeeze(1)  # q(x): the slot's confidence
+            # The slot's confidence for adaptive verification: q's peak. For a greedy request that
+            # is q(x) itself. For a random one it must not be q(x): whether a draft is verified may
+            # depend on the drafts before it but not on its own value, or the accepted tokens
+            # would lean toward the drafter's favourites (docs/adaptive.md).
+            conf = q.amax(dim=-1)
             last = last.index_copy(0, index, tokens)
             # Drafts stay on the device. Only a request whose processors read token values
             # (penalties, bad words) needs them on the host for the next rows' histories: that

@@ -32,7 +32,7 @@ class VerifyBatchOutput:
     sampled: torch.Tensor  # [R, K+1] emitted tokens, -1 padded
     num_sampled: torch.Tensor  # [R]
     capacities: torch.Tensor  # [R] drafts verified per request
-    confidence: torch.Tensor | None  # [R, K] q(x) of each draft (adaptive, model drafters)
+    confidence: torch.Tensor | None  # [R, K] q peak at each draft (adaptive, model drafters)
     logprobs: LogprobsTensors | None  # compact rows, boundaries in cu_num_generated_tokens_tensor
 
 
@@ -46,7 +46,7 @@ class VerifyRequest:
     host_drafts: list[int]  # draft values known on the host (placeholders for device drafts)
     device_drafts: torch.Tensor | None  # [d] drafts that live on the device
     q: torch.Tensor | None  # [d, V] draft probabilities (q-drafters)
-    confidence: torch.Tensor | None  # [d] q(x) of each draft on the device
+    confidence: torch.Tensor | None  # [d] q peak at each draft position, on the device
     host_scores: list[float] | None  # [d] survival scores known on the host (ngram)
 
 
@@ -57,7 +57,7 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
 def survival_scores(reqs: list[VerifyRequest], width: int, device: torch.device,
                     calibration: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[R, width] survival scores on the device (-inf past each request's drafts), and the raw
-    q(x) of model drafters' drafts [R, width] (zeros elsewhere).
+    q peaks of model drafters' drafts [R, width] (zeros elsewhere).
 
     Host scores (ngram) are used as they are; q goes through the calibration table
     (edges, [greedy/random, bucket] acceptance rates), looked up on the device."""
