@@ -115,32 +115,39 @@ def choose_budget(scores: list[float], num_emitting: int, base_tokens: int, cost
     return best_b
 
 
-def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
-    """Host twin of `admit`: how many of each request's slots fall in the `budget` best.
+def admission_keys(scores: torch.Tensor) -> torch.Tensor:
+    """[R, K] float64 keys that order the slots: the score, less a tiny penalty per position and a
+    tinier one per request. Scores never rise along a request, so keys strictly fall: whether
+    slot j is admitted depends on its own score and other requests' slots, never on this
+    request's later slots (whose scores depend on draft j). No two keys tie, so the host twin
+    and the device agree."""
+    r, k = scores.shape
+    j = torch.arange(k, dtype=torch.float64, device=scores.device)[None, :]
+    i = torch.arange(r, dtype=torch.float64, device=scores.device)[:, None]
+    return scores.double() - 1e-9 * j - 1e-13 * i
 
-    Scores are non-increasing along a request (products of numbers in [0, 1]), so the chosen
-    slots are a prefix of each request's drafts; ties break toward earlier requests.
-    """
-    flat = sorted(((-s, i, j) for i, row in enumerate(scores) for j, s in enumerate(row)))
+
+def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
+    """Host twin of `admit`: how many of each request's slots fall in the `budget` best."""
+    width = max((len(row) for row in scores), default=0)
+    padded = torch.tensor([row + [float("-inf")] * (width - len(row)) for row in scores], dtype=torch.float32)
+    keys = admission_keys(padded).tolist()
+    flat = sorted(((-keys[i][j], i) for i, row in enumerate(scores) for j in range(len(row))))
     counts = [0] * len(scores)
-    for _, i, _ in flat[:budget]:
+    for _, i in flat[:budget]:
         counts[i] += 1
     return counts
 
 
 def admit(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """Per-request capacities [R] (device int64) from survival scores [R, K] (-inf past a
-    request's drafts): the `budget` highest slots.
-
-    Scores never rise along a request; a tiny per-position penalty makes them strictly fall, so
-    whether slot j is admitted depends on its own score and other requests' slots but never on
-    this request's later slots (whose scores depend on draft j). Counting admitted slots gives
-    the capacity, a prefix of the drafts."""
+    request's drafts): the `budget` slots with the highest keys (`admission_keys`). Keys fall
+    along a request, so the admitted slots of each request are a prefix of its drafts and the
+    count of them is its capacity."""
     r, k = scores.shape
     if budget <= 0 or k == 0:
         return torch.zeros(r, dtype=torch.long, device=scores.device)
-    keys = scores.double() - 1e-9 * torch.arange(k, device=scores.device, dtype=torch.float64)[None, :]
-    top = keys.reshape(-1).topk(budget).indices
+    top = admission_keys(scores).reshape(-1).topk(budget).indices
     return torch.zeros(r * k, dtype=torch.long, device=scores.device).index_fill_(0, top, 1).view(r, k).sum(dim=1)
 
 

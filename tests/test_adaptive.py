@@ -1,0 +1,295 @@
+"""Adaptive verification: the budget and the admission on hand-made inputs; then, with capacities
+decided on the device, lossless greedy output, exact logprobs in every mode, chunked verification
+equal to unchunked, and the output distribution by chi-square."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_tiny_checkpoint, random_prompts
+from test_spec_decode import (  # noqa: F401 - small_vocab_model and other_draft are fixtures
+    PROMPT16,
+    assert_same_logprobs,
+    chi_square,
+    exact_two_token_distribution,
+    other_draft,
+    repetitive_prompts,
+    sample_pairs,
+    small_vocab_model,
+)
+from verispec import LLM, SamplingParams
+from verispec.outputs import LogprobsTensors
+from verispec.spec_decode import verify_batch as verify_mod
+from verispec.spec_decode.adaptive import CostModel, admit, choose_budget, top_slots_per_request
+
+# A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
+# them. Budgets land strictly between "verify nothing" and "verify everything" at every batch size
+# tested, so the device really chooses.
+COST = [[1, 1.0], [64, 2.3], [256, 22.0]]
+
+
+# ------------------------------------------------------------------------------ the budget
+def objective(scores, b, num_emitting, base, cost) -> float:
+    return (num_emitting + sum(sorted(scores, reverse=True)[:b])) / cost(base + b)
+
+
+def test_choose_budget_on_a_hand_made_table():
+    cost = CostModel([1, 2, 3, 4, 5], [1.0, 1.1, 1.2, 3.0, 3.1])
+    # 1 emitting request: B=0 -> 1/1.0, B=1 -> 1.9/1.1 = 1.73, B=2 -> 2.7/1.2 = 2.25,
+    # B=3 -> 3.2/3.0 = 1.07, B=4 -> 3.3/3.1 = 1.06: the third token makes the step 2.5x dearer.
+    assert choose_budget([0.5, 0.9, 0.1, 0.8], 1, 1, cost) == 2
+    # Nothing worth verifying: worthless drafts still cost a little.
+    assert choose_budget([0.0, 0.0], 4, 4, CostModel([1, 100], [1.0, 2.0])) == 0
+    # A free forward: verify every draft with any chance.
+    assert choose_budget([0.3, 0.2, 0.1], 1, 1, CostModel([1, 100], [1.0, 1.0])) == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scores=st.lists(st.floats(0, 1), max_size=12),
+    num_emitting=st.integers(1, 6),
+    base=st.integers(1, 20),
+    costs=st.lists(st.floats(0.01, 10), min_size=2, max_size=6),
+)
+def test_choose_budget_maximises_the_objective(scores, num_emitting, base, costs):
+    cost = CostModel([1 + 7 * i for i in range(len(costs))], costs)
+    b = choose_budget(scores, num_emitting, base, cost)
+    best = max(objective(scores, x, num_emitting, base, cost) for x in range(len(scores) + 1))
+    assert 0 <= b <= len(scores)
+    assert objective(scores, b, num_emitting, base, cost) >= best * (1 - 1e-9)
+
+
+def test_cost_model_interpolates_extrapolates_and_never_falls():
+    cost = CostModel([4, 1, 8], [2.0, 1.0, 1.5])  # unsorted, and a noisy dip at 8
+    assert cost.tokens == [1, 4, 8] and cost.seconds == [1.0, 2.0, 2.0]
+    assert cost(2) == pytest.approx(1 + 1 / 3)
+    assert cost(16) == pytest.approx(2.0)  # flat last segment extrapolates flat
+    assert CostModel([1, 2], [1.0, 2.0])(4) == pytest.approx(4.0)
+
+
+def survival_rows(rows: int, width: int, seed: int) -> tuple[torch.Tensor, list[list[float]]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, width + 1, (rows,), generator=g).tolist()
+    conf = torch.rand(rows, width, generator=g)
+    conf[conf < 0.2] = 1.0  # repeated scores along a request: ties
+    scores = torch.full((rows, width), float("-inf"))
+    host = []
+    for i, n in enumerate(lengths):
+        scores[i, :n] = conf[i, :n].cumprod(0)
+        host.append(scores[i, :n].tolist())
+    return scores, host
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_admission_gives_prefix_capacities_that_fill_the_budget(seed):
+    scores, host = survival_rows(9, 6, seed)
+    total = sum(len(h) for h in host)
+    for budget in range(total + 1):
+        caps = admit(scores, budget)
+        assert caps.sum().item() == budget
+        assert caps.tolist() == top_slots_per_request(host, budget)
+        # The admitted slots are exactly the `budget` best scores (up to ties at the threshold).
+        admitted = sorted((s for h, c in zip(host, caps.tolist()) for s in h[:c]), reverse=True)
+        assert admitted == sorted((s for h in host for s in h), reverse=True)[:budget]
+
+
+def test_admission_never_admits_a_later_slot_of_a_tied_request_first():
+    # All scores 1.0: ties everywhere; capacities must still be prefixes of the drafts present.
+    scores = torch.tensor([[1.0, 1.0, float("-inf")], [1.0, 1.0, 1.0]])
+    for budget in range(6):
+        caps = admit(scores, budget).tolist()
+        assert sum(caps) == budget and caps[0] <= 2
+
+
+# ------------------------------------------------------------------------------ the engine
+def adaptive(spec: dict, **extra) -> dict:
+    return dict(spec, num_speculative_tokens=6, adaptive_verification=True, cost_table=COST, **extra)
+
+
+def drafters(draft_path: str) -> dict[str, dict]:
+    return {
+        "ngram": adaptive({"method": "ngram", "prompt_lookup_min": 1}),
+        "layer_skip": adaptive({"method": "layer_skip", "num_layers": 1}),
+        "draft_model": adaptive({"method": "draft_model", "model": draft_path}),
+    }
+
+
+@pytest.fixture(scope="module")
+def near_draft(tmp_path_factory, tiny_llama):
+    """A draft model that agrees with tiny_llama often but not always: the target's own weights
+    for the first layer, so its q is informative."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("near") / "d", "llama", num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_llama):
+    prompts = repetitive_prompts(32, seed=50)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return prompts, params, LLM(tiny_llama, max_num_seqs=32).generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("batch", [1, 8, 32])
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
+def test_greedy_output_equals_non_speculative(tiny_llama, near_draft, greedy_reference, drafter, batch):
+    prompts, params, base = greedy_reference
+    llm = LLM(tiny_llama, max_num_seqs=32, speculative_config=drafters(near_draft)[drafter])
+    out = llm.generate(prompts[:batch], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base[:batch]]
+    stats = llm.stats()
+    hist = stats["adaptive"]["capacity_histogram"]
+    assert stats["num_draft_tokens"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    # Every verifying request-step is in the histogram, and its drafts add up to what was admitted.
+    assert sum(c * n for c, n in enumerate(hist)) == stats["adaptive"]["admitted_total"] == stats["num_draft_tokens"]
+    assert sum(hist) == stats["num_drafts"]
+
+
+MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+
+
+def mixed_params(max_tokens: int = 32) -> list[SamplingParams]:
+    """One batch, every mode at once (modes are per request), with processors that change the
+    processed scores: the rows of different requests must not be mixed up."""
+    out = []
+    for i, mode in enumerate(MODES * 2):
+        extra = [{}, {"top_k": 5}, {"top_p": 0.8, "top_k": 9}, {"logit_bias": {3: 2.0, 7: -1.5}}][i % 4]
+        lp = {"logprob_token_ids": [1, 2, 3]} if i == 3 else {"logprobs": 1 + i % 4}
+        out.append(SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs_mode=mode,
+                                  **extra, **lp))
+    return out
+
+
+def capture_layouts(monkeypatch) -> list[list[int]]:
+    """Records each verify step's per-request capacities (read after the step, in the test)."""
+    seen: list[torch.Tensor] = []
+    original = verify_mod.verify_batch
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out.capacities)
+        return out
+
+    import verispec.engine.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "verify_batch", recording)
+    return seen
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip", "draft_model"])
+def test_logprobs_in_every_mode_equal_non_speculative(tiny_llama, near_draft, drafter, monkeypatch):
+    prompts = repetitive_prompts(8, seed=60)
+    params = mixed_params()
+    base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
+    layouts = capture_layouts(monkeypatch)
+    out = LLM(tiny_llama, speculative_config=drafters(near_draft)[drafter]).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    assert_same_logprobs(base, out)
+    for o in out:  # every emitted token in its own dict, ranked (custom ids are unranked extras)
+        for tok, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs):
+            assert tok in entry and entry[tok].rank >= 1
+    # The host's uniform placeholder (the same number of rows for every request) is not the
+    # layout: some step verified different numbers of drafts for different requests.
+    assert any(len(set(c.tolist())) > 1 for c in layouts)
+
+
+def test_a_uniform_placeholder_layout_would_misassign_rows(tiny_llama, near_draft, monkeypatch):
+    """Control: slicing the logprob rows by a uniform placeholder instead of the device boundaries
+    hands requests each other's rows, and the comparison above catches it."""
+    prompts = repetitive_prompts(8, seed=60)
+    params = mixed_params()
+    base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
+    original = LogprobsTensors.tolists
+
+    def placeholder(self):
+        lists = original(self)
+        if lists.cu_num_generated_tokens is not None:
+            cu = lists.cu_num_generated_tokens
+            r, n = len(cu) - 1, cu[-1]
+            lists.cu_num_generated_tokens = [round(i * n / r) for i in range(r + 1)]
+        return lists
+
+    monkeypatch.setattr(LogprobsTensors, "tolists", placeholder)
+    llm = LLM(tiny_llama, speculative_config=drafters(near_draft)["layer_skip"])
+    with pytest.raises((AssertionError, IndexError)):  # wrong rows, or a request short of rows
+        assert_same_logprobs(base, llm.generate(prompts, params, use_tqdm=False))
+
+
+def test_seeded_random_output_with_ngram_equals_non_speculative(tiny_llama):
+    """One-hot drafts: the emitted token at every position is plain sampling's, whatever the
+    device admitted, so seeded random requests keep their tokens and logprobs."""
+    prompts = repetitive_prompts(6, seed=70)
+    params = [SamplingParams(temperature=0.7, top_k=8, seed=90 + i, max_tokens=32, ignore_eos=True, logprobs=2,
+                             logprobs_mode=MODES[i % 4]) for i in range(6)]
+    base = LLM(tiny_llama).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_llama, speculative_config=adaptive({"method": "ngram", "prompt_lookup_min": 1}))
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats()["num_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    assert_same_logprobs(base, out)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "layer_skip"])
+def test_chunked_verification_equals_unchunked(tiny_llama, near_draft, drafter):
+    prompts = repetitive_prompts(8, seed=80)
+    params = mixed_params()
+    spec = drafters(near_draft)[drafter]
+    whole = LLM(tiny_llama, speculative_config=spec).generate(prompts, params, use_tqdm=False)
+    for rows in (1, 3, 7):
+        llm = LLM(tiny_llama, speculative_config=dict(spec, max_verify_rows_per_chunk=rows))
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in whole]
+        for a, b in zip(whole, out):
+            for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert ea.keys() == eb.keys()
+                assert all(ea[t].rank == eb[t].rank for t in ea)
+                assert max(abs(ea[t].logprob - eb[t].logprob) for t in ea) <= 1e-5
+        assert llm.stats()["adaptive"]["admitted_total"] > 0
+
+
+@pytest.mark.parametrize("spec", ["ngram", "layer_skip", "draft_model"])
+def test_adaptive_distribution_matches_target(small_vocab_model, other_draft, spec):
+    """Random sampling with capacities chosen on the device still emits exactly p."""
+    path, model = small_vocab_model
+    params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
+    # 256 requests share a step: a cost that doubles past 320 tokens admits some drafts, not all.
+    cost = [[1, 1.0], [256, 1.0], [320, 1.1], [512, 2.5]]
+    cfg = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2},
+        "draft_model": {"method": "draft_model", "model": other_draft, "num_speculative_tokens": 2},
+    }[spec]
+    cfg = dict(cfg, adaptive_verification=True, cost_table=cost)
+    n = 3000
+    exact = exact_two_token_distribution(model, PROMPT16, params)
+    counts = sample_pairs(path, PROMPT16, params, n, cfg)
+    stat, df = chi_square(counts, exact, n)
+    assert stat < df + 10 * math.sqrt(2 * df), (stat, df)
+
+
+def test_stats_without_adaptive_have_no_adaptive_section(tiny_llama):
+    llm = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert "adaptive" not in llm.stats()
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"adaptive_verification": "yes"}, "adaptive_verification"),
+    ({"max_verify_rows_per_chunk": 0}, "max_verify_rows_per_chunk"),
+    ({"cost_table": [[0, 1.0]]}, "cost_table"),
+    ({"cost_table": []}, "cost_table"),
+])
+def test_invalid_adaptive_options_name_the_field(tiny_llama, bad, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny_llama, speculative_config={"method": "ngram", **bad})
+
+
+def test_profiled_cost_table_grows_with_tokens(tiny_llama):
+    llm = LLM(tiny_llama, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "adaptive_verification": True})
+    cost = llm.engine.runner.adaptive.cost
+    assert cost.tokens[0] == 1 and cost.tokens[-1] == 32  # max_num_seqs * (k + 1)
+    assert all(b >= a for a, b in itertools.pairwise(cost.seconds))
