@@ -72,12 +72,16 @@ SPECS = {
     "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
 }
+# Adaptive verification: capacities decided on the device, verification in chunks of 3 rows.
+ADAPTIVE = {"adaptive_verification": True, "cost_table": [[1, 1.0], [64, 2.3], [256, 22.0]],
+            "max_verify_rows_per_chunk": 3}
+SPECS.update({f"{name}_adaptive": dict(SPECS[name], **ADAPTIVE) for name in ("ngram", "layer_skip", "draft_model")})
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_step_reads_nothing_on_the_host_before_the_copy(tiny_llama, monkeypatch, name):
     spec = SPECS[name]
-    if name == "draft_model":
+    if name.startswith("draft_model"):
         spec = dict(spec, model=tiny_llama)
     llm = LLM(tiny_llama, max_num_batched_tokens=16, block_size=4, speculative_config=spec)
     calls = guard(llm.engine.runner, monkeypatch)
@@ -88,15 +92,79 @@ def test_step_reads_nothing_on_the_host_before_the_copy(tiny_llama, monkeypatch,
                        logprobs_mode="processed_logprobs", ignore_eos=True),
         # Penalties read draft values on the host in model drafters (documented); elsewhere they're free.
         SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=30, ignore_eos=True,
-                       **({"repetition_penalty": 1.2} if name in ("plain", "ngram") else {"min_tokens": 3})),
+                       **({"repetition_penalty": 1.2} if name.startswith(("plain", "ngram")) else {"min_tokens": 3})),
         SamplingParams(temperature=0, max_tokens=30, logprob_token_ids=[5, 6, 7], ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert calls["n"] > 0 and all(len(o.outputs[0].token_ids) == 30 for o in outs)
     if spec:
         assert llm.stats()["num_draft_tokens"] > 0
+    if name.endswith("_adaptive"):
+        assert llm.stats()["adaptive"]["admitted_total"] > 0
 
 
 def test_the_guard_catches_a_host_read():
     with host_reads_forbidden(), pytest.raises(HostRead):
         torch.ones(2).sum().item()
+
+
+# Modules whose code runs between scheduling and the step's one D2H copy.
+STEP_MODULES = ["engine/runner.py", "models/attention.py", "models/llama.py", "sample/logprobs.py",
+                "sample/metadata.py", "sample/noise.py", "sample/processors.py", "sample/prompt_logprobs.py",
+                "sample/sampler.py", "spec_decode/adaptive.py", "spec_decode/drafter.py",
+                "spec_decode/rejection.py", "spec_decode/verify_batch.py"]
+
+
+def test_host_values_reach_the_device_through_pinned_copies():
+    """A CUDA copy from pageable memory synchronises; the step builds device tensors from host
+    values only through `to_device` (pinned, non-blocking). A direct `torch.tensor(..., device=)`
+    in the step's modules is caught here, on any machine."""
+    import ast
+    from pathlib import Path
+
+    import verispec
+
+    root = Path(verispec.__file__).parent
+    offenders = []
+    for rel in STEP_MODULES:
+        tree = ast.parse((root / rel).read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "tensor"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                    and any(k.arg == "device" for k in node.keywords)):
+                offenders.append(f"{rel}:{node.lineno}")
+    assert not offenders, offenders
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["plain", "ngram_adaptive", "layer_skip_adaptive", "draft_model_adaptive"])
+def test_cuda_step_passes_sync_debug_mode_error(tiny_llama, monkeypatch, name):
+    """On CUDA, the device phase of a step (drafting, forward, verification, scoring) runs under
+    torch.cuda.set_sync_debug_mode("error"): any synchronising call raises."""
+    spec = SPECS[name]
+    if name.startswith("draft_model"):
+        spec = dict(spec, model=tiny_llama)
+    llm = LLM(tiny_llama, device="cuda", max_num_batched_tokens=16, block_size=4, speculative_config=spec)
+    runner = llm.engine.runner
+    targets = [(runner, "_sample")]
+    if runner.drafter is not None:
+        targets += [(runner.drafter, "draft"), (runner.drafter, "observe")]
+    for obj, attr in targets + [(runner.model, "forward")]:
+        original = getattr(obj, attr)
+
+        def wrapped(*args, _original=original, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        monkeypatch.setattr(obj, attr, wrapped)
+    prompts = random_prompts(4, 5, 30, seed=81)
+    params = [SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=24, logprobs=3,
+                             logprobs_mode="processed_logprobs", ignore_eos=True)] * 2
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    if spec:
+        assert llm.stats()["num_draft_tokens"] > 0

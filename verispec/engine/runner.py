@@ -9,12 +9,12 @@ synchronise a single time.
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass, field
 
 import torch
 
 from verispec.config import EngineConfig, LogprobsMode
+from verispec.device_copy import to_device
 from verispec.engine.kv_cache import BlockPool, KVCacheTensors
 from verispec.engine.request import Request
 from verispec.engine.scheduler import SchedulerOutput
@@ -106,14 +106,14 @@ def score_rows(
         return None, []
     chunks, order = [], []
     for (mode, custom), idx in groups.items():
-        index = torch.tensor(idx, dtype=torch.long, device=raw.device)
+        index = to_device(idx, dtype=torch.long, device=raw.device)
         source = (raw if mode.is_raw else processed)[index]
         custom_ids = None
         k = 0
         if custom:
             lists = [rows[i].params.logprob_token_ids for i in idx]
             width = max(len(x) for x in lists)
-            custom_ids = torch.tensor([x + x[:1] * (width - len(x)) for x in lists], device=raw.device)
+            custom_ids = to_device([x + x[:1] * (width - len(x)) for x in lists], device=raw.device)
         else:
             ks = [rows[i].num_logprobs for i in idx]
             k = vocab if -1 in ks else max(ks)
@@ -174,7 +174,7 @@ class ModelRunner:
             spec = row_spec(req, None)
             spec.position_independent = True
             k = req.params.prompt_logprobs
-            targets = torch.tensor(req.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
+            targets = to_device(req.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
             tensors = score_prompt_rows(
                 self.model.compute_logits, hidden[row : row + hi - lo], targets, spec,
                 self.vocab_size if k == -1 else k, self.vocab_size, self.config.prompt_logprobs_chunk_rows,
@@ -194,10 +194,10 @@ class ModelRunner:
             raise RuntimeError(f"injected fault: tokens {self.fault_tokens} in the batch (VERISPEC_FAULT_INJECT_TOKENS)")
         dev = self.device
         meta = build_attention_metadata(batch.spans, self.pool.block_size, dev, self.model.dtype)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+        input_ids = to_device(batch.input_ids, dtype=torch.long, device=dev)
         for row, drafts in batch.draft_fill:  # device-side drafts replace their placeholders
             input_ids[row : row + drafts.shape[0]] = drafts
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        positions = to_device(batch.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, positions, meta, self.kv.layers)
         if self.drafter is not None:
             self.drafter.observe(self, input_ids, positions, meta)
@@ -255,7 +255,7 @@ class ModelRunner:
             return self._verify(batch, hidden, budget)
         dev = self.device
         rows = [row_spec(req, "sample") for req in batch.sample_reqs]
-        logits = self.model.compute_logits(hidden[torch.tensor(batch.sample_rows, device=dev)])
+        logits = self.model.compute_logits(hidden[to_device(batch.sample_rows, device=dev)])
         md = SamplingMetadata.build(rows, self.vocab_size, dev)
         processed = apply_processors(logits, md)
         tokens = sample(processed, md)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from verispec.device_copy import to_device
+
 # Queries at most this long share the padded decode group.
 DECODE_GROUP_MAX_QUERY = 16
 
@@ -69,7 +71,7 @@ def build_attention_metadata(
         if span.num_query > DECODE_GROUP_MAX_QUERY:
             groups.append(_prefill_group(span, block_size, device, dtype))
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        slot_mapping=to_device(slot_mapping, dtype=torch.long, device=device),
         groups=groups,
         num_tokens=len(slot_mapping),
     )
@@ -89,7 +91,7 @@ def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: 
     kv_blocks = mask = None
     if not fresh:
         nb = _num_blocks(span.context_len, block_size)
-        kv_blocks = torch.tensor([span.block_table[:nb]], dtype=torch.long, device=device)
+        kv_blocks = to_device([span.block_table[:nb]], dtype=torch.long, device=device)
         offset = span.context_len - span.num_query
         q_pos = torch.arange(span.num_query, device=device)[:, None] + offset
         keys = torch.arange(nb * block_size, device=device)[None, :]
@@ -114,16 +116,16 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
             q_idx.extend([s.start] * (max_q - s.num_query))  # padding repeats a real row
             valid.extend(range(i * max_q, i * max_q + s.num_query))
             rows.extend(range(s.start, s.start + s.num_query))
-        query_index = torch.tensor(q_idx, dtype=torch.long, device=device).view(g, max_q)
-        out_valid = torch.tensor(valid, dtype=torch.long, device=device)
-        out_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        query_index = to_device(q_idx, dtype=torch.long, device=device).view(g, max_q)
+        out_valid = to_device(valid, dtype=torch.long, device=device)
+        out_rows = to_device(rows, dtype=torch.long, device=device)
     tables = []
     for s in spans:
         nb = _num_blocks(s.context_len, block_size)
         tables.append(s.block_table[:nb] + [0] * (max_nb - nb))  # padding blocks are masked out
-    kv_blocks = torch.tensor(tables, dtype=torch.long, device=device)
-    ctx = torch.tensor([s.context_len for s in spans], device=device)
-    nq = torch.tensor([s.num_query for s in spans], device=device)
+    kv_blocks = to_device(tables, dtype=torch.long, device=device)
+    ctx = to_device([s.context_len for s in spans], device=device)
+    nq = to_device([s.num_query for s in spans], device=device)
     q_pos = (ctx - nq)[:, None] + torch.arange(max_q, device=device)[None, :]  # [G, Q]
     keys = torch.arange(max_k, device=device)[None, None, :]
     # Causal within the request and never past its own context; padded query rows see every real

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.device_copy import to_device
 from verispec.outputs import LogprobsTensors
 
 # Columns per chunk of the streaming log-sum-exp: keeps its temporaries to [R, 8192].
@@ -82,12 +83,12 @@ class RequestScoring:
         width = max((len(c) for c in custom if c), default=0)
         raw = [s.mode.is_raw for s in specs]
         return cls(
-            is_raw=torch.tensor(raw, dtype=torch.bool, device=device),
-            is_logprobs=torch.tensor([s.mode.is_logprobs for s in specs], dtype=torch.bool, device=device),
+            is_raw=to_device(raw, dtype=torch.bool, device=device),
+            is_logprobs=to_device([s.mode.is_logprobs for s in specs], dtype=torch.bool, device=device),
             num_topk=vocab if -1 in topks else max(topks, default=0),
-            custom_ids=torch.tensor([(c + c[:1] * (width - len(c))) if c else [0] * width for c in custom],
+            custom_ids=to_device([(c + c[:1] * (width - len(c))) if c else [0] * width for c in custom],
                                     dtype=torch.long, device=device) if width else None,
-            is_custom=torch.tensor([bool(c) for c in custom], dtype=torch.bool, device=device) if width else None,
+            is_custom=to_device([bool(c) for c in custom], dtype=torch.bool, device=device) if width else None,
             all_raw=all(raw),
             all_processed=not any(raw),
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from verispec.config import LogprobsMode
+from verispec.device_copy import to_device
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
@@ -93,10 +94,10 @@ class SamplingMetadata:
             any_sparse |= bool(p.allowed_token_ids or p.logit_bias)
         return cls(
             rows=rows,
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.long, device=device),
-            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
-            min_p=torch.tensor(mps, dtype=torch.float32, device=device),
+            temperature=to_device(temps, dtype=torch.float32, device=device),
+            top_k=to_device(ks, dtype=torch.long, device=device),
+            top_p=to_device(ps, dtype=torch.float32, device=device),
+            min_p=to_device(mps, dtype=torch.float32, device=device),
             greedy=greedy,
             any_temperature=any(t != 1.0 for t in temps),
             any_top_k=any(k < vocab_size for k in ks),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.device_copy import to_device
 from verispec.sample.metadata import SamplingMetadata
 
 NEG_INF = float("-inf")
@@ -55,12 +56,12 @@ def _sparse_entries(md: SamplingMetadata, device: torch.device) -> dict[str, tor
             bias_rows.extend([i] * len(p.logit_bias))
             bias_cols.extend(p.logit_bias.keys())
             bias_vals.extend(p.logit_bias.values())
-    long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    long = lambda x: to_device(x, dtype=torch.long, device=device)  # noqa: E731
     md.cache["sparse"] = entries = {
-        "has_allow": torch.tensor(has_allow, dtype=torch.bool, device=device),
+        "has_allow": to_device(has_allow, dtype=torch.bool, device=device),
         "allow": (long(allow_rows), long(allow_cols)),
         "ban": (long(ban_rows), long(ban_cols)),
-        "bias": (long(bias_rows), long(bias_cols), torch.tensor(bias_vals, dtype=torch.float32, device=device)),
+        "bias": (long(bias_rows), long(bias_cols), to_device(bias_vals, dtype=torch.float32, device=device)),
     }
     return entries
 
@@ -121,10 +122,10 @@ def _penalty_tensors(md: SamplingMetadata, vocab: int, device: torch.device) -> 
             continue
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         if row.output_ids:
-            ids = torch.tensor(row.output_ids, dtype=torch.long, device=device)
+            ids = to_device(row.output_ids, dtype=torch.long, device=device)
             counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(row.prompt_ids + row.output_ids, dtype=torch.long, device=device)
+            ids = to_device(row.prompt_ids + row.output_ids, dtype=torch.long, device=device)
             seen[i, ids] = True
     seen, counts = seen[:, :vocab], counts[:, :vocab]
     seen |= counts > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.device_copy import to_device
 from verispec.sample.metadata import SamplingMetadata
 from verispec.sample.noise import exponential_rows
 
@@ -20,7 +21,7 @@ def sample(processed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     random_rows = [i for i, g in enumerate(md.greedy) if not g]
     if not random_rows:
         return tokens
-    idx = torch.tensor(random_rows, dtype=torch.long, device=processed.device)
+    idx = to_device(random_rows, dtype=torch.long, device=processed.device)
     probs = processed[idx].softmax(dim=-1)
     noise = exponential_rows([md.rows[i].noise_key() for i in random_rows], processed.shape[1], processed.device)
     # Masked (-inf) entries have p = 0 and can never win the race.

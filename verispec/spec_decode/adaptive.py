@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from verispec.device_copy import to_device
+
 # Per-request EMA weight of the newest accept/reject outcome (ngram confidences).
 REQUEST_EMA = 0.3
 # Engine-wide EMA weight: the starting confidence of a request with no history of its own.
@@ -76,8 +78,8 @@ class CostModel:
         Runs at start-up, before any request owns a cache block: the dummy tokens write into
         block 0, which the first real request overwrites.
         """
-        from verispec.models.attention import SeqSpan, build_attention_metadata
         from verispec.engine.kv_cache import KVCacheTensors
+        from verispec.models.attention import SeqSpan, build_attention_metadata
 
         grid = sorted({1 << i for i in range(max(1, max_tokens).bit_length())} | {max(1, max_tokens)})
         kv = KVCacheTensors(model.cfg, 1, block_size, model.dtype, device)
@@ -187,8 +189,8 @@ class AdaptiveController:
 
     def calibration_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(bucket edges, [2, buckets] table) for the device-side lookup; host values, no sync."""
-        return (torch.tensor(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
-                torch.tensor(self.calibration, dtype=torch.float32, device=device))
+        return (to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
+                to_device(self.calibration, dtype=torch.float32, device=device))
 
     def calibrated(self, q: float, greedy: bool) -> float:
         return self.calibration[0 if greedy else 1][int(np.searchsorted(Q_BUCKET_EDGES, q, side="right")) - 1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from verispec.config import SpeculativeConfig
+from verispec.device_copy import to_device
 from verispec.engine.request import Request
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.sample.metadata import SamplingMetadata
@@ -82,7 +83,7 @@ class ModelDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
         confidence: list[list[torch.Tensor]] = [[] for _ in jobs]
         device_drafts: list[list[torch.Tensor]] = [[] for _ in jobs]
-        last = torch.tensor([s.request.token_ids[s.request.num_computed_tokens] for s in jobs], device=dev)
+        last = to_device([s.request.token_ids[s.request.num_computed_tokens] for s in jobs], device=dev)
         for j in range(max(len(s.spec_tokens) for s in jobs)):
             # Step j feeds each request's newest token (the pending one, then its drafts) at its
             # position, through the drafting model and into the drafting model's cache.
@@ -94,8 +95,8 @@ class ModelDrafter:
                 positions.append(pos)
                 spans.append(SeqSpan(row, 1, pos + 1, pool.table(req.request_id)))
             meta = build_attention_metadata(spans, pool.block_size, dev, model.dtype)
-            index = torch.tensor(active, dtype=torch.long, device=dev)
-            hidden = model(last[index], torch.tensor(positions, device=dev), meta, kv_layers, self.num_layers)
+            index = to_device(active, dtype=torch.long, device=dev)
+            hidden = model(last[index], to_device(positions, device=dev), meta, kv_layers, self.num_layers)
             rows = [row_spec(jobs[i].request, "draft", drafts[i]) for i in active]
             md = SamplingMetadata.build(rows, runner.vocab_size, dev)
             processed = apply_processors(model.compute_logits(hidden), md)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.device_copy import to_device
 from verispec.sample.noise import RequestNoise, exponential_rows, uniform_values
 
 
@@ -132,22 +133,22 @@ def verify(
     k = k1 - 1
     device = target_logits.device
     rows = [(i, j) for i in range(r) for j in range(num_drafts[i] + 1)]
-    row_req = torch.tensor([i for i, _ in rows], dtype=torch.long, device=device)
-    row_j = torch.tensor([j for _, j in rows], dtype=torch.long, device=device)
+    row_req = to_device([i for i, _ in rows], dtype=torch.long, device=device)
+    row_j = to_device([j for _, j in rows], dtype=torch.long, device=device)
     flat = row_req * k1 + row_j
     padded_drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(r, 1)], dim=1)
-    greedy = torch.tensor([noise[i] is None for i, _ in rows], dtype=torch.bool, device=device)
+    greedy = to_device([noise[i] is None for i, _ in rows], dtype=torch.bool, device=device)
     race = exponential_rows(_keys(noise, first_pos, [c + 1 for c in num_drafts], "sample", k1), vocab, device)
     q = uses_q = u = recover = None
     if draft_probs is not None and any(has_q) and k:
         q_noise = [n if h else None for n, h in zip(noise, has_q)]
         q = torch.cat([draft_probs, draft_probs.new_zeros(r, 1, vocab)], dim=1).view(-1, vocab)[flat]
-        uses_q = torch.tensor([has_q[i] and noise[i] is not None for i, _ in rows], dtype=torch.bool, device=device)
+        uses_q = to_device([has_q[i] and noise[i] is not None for i, _ in rows], dtype=torch.bool, device=device)
         u = uniform_values(_keys(q_noise, first_pos, num_drafts, "accept", k1), device)[flat]
         recover = exponential_rows(_keys(q_noise, first_pos, num_drafts, "recover", k1), vocab, device)[flat]
     out = row_outcomes(
         target_logits.reshape(-1, vocab)[flat], padded_drafts.reshape(-1)[flat],
-        row_j == torch.tensor(num_drafts, dtype=torch.long, device=device)[row_req], greedy,
+        row_j == to_device(num_drafts, dtype=torch.long, device=device)[row_req], greedy,
         race[flat], q, uses_q, u, recover,
     )
     return assemble(out.selected, out.accept, row_req, row_j, r, k1)

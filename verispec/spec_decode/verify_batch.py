@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.device_copy import to_device
 from verispec.outputs import LogprobsTensors
 from verispec.sample.logprobs import RequestScoring
 from verispec.sample.metadata import RowSpec, SamplingMetadata
@@ -62,7 +63,7 @@ def survival_scores(reqs: list[VerifyRequest], width: int, device: torch.device,
     Host scores (ngram) are used as they are; q goes through the calibration table
     (edges, [greedy/random, bucket] acceptance rates), looked up on the device."""
     host = [(r.host_scores or []) + [float("-inf")] * (width - len(r.host_scores or [])) for r in reqs]
-    scores = torch.tensor(host, dtype=torch.float32, device=device)
+    scores = to_device(host, dtype=torch.float32, device=device)
     if calibration is None or all(r.confidence is None for r in reqs):
         return scores, None
     edges, table = calibration
@@ -70,11 +71,11 @@ def survival_scores(reqs: list[VerifyRequest], width: int, device: torch.device,
     for i, r in enumerate(reqs):
         if r.confidence is not None and r.host_scores is None:
             raw[i, : r.confidence.shape[0]] = r.confidence.float()
-    mode = torch.tensor([0 if r.spec.params.greedy else 1 for r in reqs], dtype=torch.long, device=device)
+    mode = to_device([0 if r.spec.params.greedy else 1 for r in reqs], dtype=torch.long, device=device)
     bucket = torch.searchsorted(edges, raw, right=True) - 1
     calibrated = table[mode[:, None], bucket].cumprod(dim=1)
-    has = torch.tensor([r.confidence is not None and r.host_scores is None for r in reqs], device=device)
-    drafted = torch.arange(width, device=device)[None, :] < torch.tensor(
+    has = to_device([r.confidence is not None and r.host_scores is None for r in reqs], device=device)
+    drafted = torch.arange(width, device=device)[None, :] < to_device(
         [len(r.host_drafts) for r in reqs], device=device)[:, None]
     scores = torch.where(has[:, None] & drafted, calibrated, scores)
     return scores, raw
@@ -87,7 +88,7 @@ def verify_batch(model, hidden: torch.Tensor, reqs: list[VerifyRequest], vocab: 
     r = len(reqs)
     d = [len(x.host_drafts) for x in reqs]
     k = max(d)
-    num_drafts = torch.tensor(d, dtype=torch.long, device=dev)
+    num_drafts = to_device(d, dtype=torch.long, device=dev)
     confidence = None
     if budget is None:
         capacities, n = num_drafts, r + sum(d)
@@ -97,11 +98,11 @@ def verify_batch(model, hidden: torch.Tensor, reqs: list[VerifyRequest], vocab: 
     cu = _exclusive_cumsum(capacities + 1)  # cu_num_logits: exists only here, on the device
     row_req = torch.repeat_interleave(torch.arange(r, device=dev), capacities + 1, output_size=n)
     row_j = torch.arange(n, device=dev) - cu[row_req]
-    cand_base = torch.tensor([0] + [x + 1 for x in d], dtype=torch.long, device=dev).cumsum(0)
+    cand_base = to_device([0] + [x + 1 for x in d], dtype=torch.long, device=dev).cumsum(0)
     cand = cand_base[row_req] + row_j
-    flat = torch.tensor([x.first_flat_row for x in reqs], dtype=torch.long, device=dev)[row_req] + row_j
+    flat = to_device([x.first_flat_row for x in reqs], dtype=torch.long, device=dev)[row_req] + row_j
 
-    drafts = torch.tensor([x.host_drafts + [0] * (k + 1 - len(x.host_drafts)) for x in reqs],
+    drafts = to_device([x.host_drafts + [0] * (k + 1 - len(x.host_drafts)) for x in reqs],
                           dtype=torch.long, device=dev)
     for i, x in enumerate(reqs):
         if x.device_drafts is not None:
@@ -111,7 +112,7 @@ def verify_batch(model, hidden: torch.Tensor, reqs: list[VerifyRequest], vocab: 
 
     rows = [spec for x in reqs for spec in x.rows]
     md = SamplingMetadata.build(rows, vocab, dev)
-    greedy_req = torch.tensor([x.spec.params.greedy for x in reqs], dtype=torch.bool, device=dev)
+    greedy_req = to_device([x.spec.params.greedy for x in reqs], dtype=torch.bool, device=dev)
     race = None
     if not all(md.greedy):
         race = exponential_rows([spec.noise_key() for spec in rows], vocab, dev)
@@ -120,7 +121,7 @@ def verify_batch(model, hidden: torch.Tensor, reqs: list[VerifyRequest], vocab: 
     if any(with_q):
         q = torch.cat([torch.cat([x.q, x.q.new_zeros(1, vocab)]) if x.q is not None else
                        hidden.new_zeros(len(x.rows), vocab, dtype=torch.float32) for x in reqs])
-        uses_q = torch.tensor(with_q, dtype=torch.bool, device=dev)
+        uses_q = to_device(with_q, dtype=torch.bool, device=dev)
         keys = {"accept": [], "recover": []}
         for x, has in zip(reqs, with_q):
             for j, spec in enumerate(x.rows):
