@@ -20,6 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verispec.bench.adaptive import (
+    AdaptiveRow,
+    adaptive_json,
+    format_adaptive_table,
+    format_summary,
+    plot_adaptive,
+    run_adaptive,
+    summarize,
+    summary_json,
+    target_met,
+)
 from verispec.bench.peers import (
     PEERS,
     PLAIN,
@@ -40,6 +51,7 @@ from verispec.bench.report import (
     write_json,
 )
 from verispec.bench.scenarios import (
+    ADAPTIVE_SCENARIO,
     ALL_SCENARIOS,
     SCENARIOS,
     SPEC_SCENARIO,
@@ -96,6 +108,7 @@ class RunState:
     refs: dict[str, Generation] = field(default_factory=dict)  # verispec plain output per scenario
     checks: list[LogprobCheck] = field(default_factory=list)
     spec_rows: list[SpecRow] = field(default_factory=list)
+    adaptive_rows: list[AdaptiveRow] = field(default_factory=list)
 
 
 def log(msg: str) -> None:
@@ -216,6 +229,11 @@ def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt
     if system.key == "verispec" and SPEC_SCENARIO in cfg.scenarios:
         log("speculative decoding sweep (verispec, batch 1) ...")
         state.spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log, system.engines())  # type: ignore[attr-defined]
+    if system.key == "verispec" and ADAPTIVE_SCENARIO in cfg.scenarios:
+        log("adaptive verification sweep (verispec, by batch size) ...")
+        # The bench's plain engine is the sweep's reference; no other bench engine matches a config.
+        state.adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log,
+                                           {"none": system.llm})  # type: ignore[attr-defined]
     if system.key == "hf":
         for check in state.checks:
             # HF's log_softmax of its own logits for verispec's exact token sequence.
@@ -296,6 +314,10 @@ def run(args: argparse.Namespace) -> int:
     if SPEC_SCENARIO in cfg.scenarios and not prompts:  # the sweep alone: no bench engines to reuse
         log("speculative decoding sweep (verispec, batch 1) ...")
         spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log)
+    adaptive_rows = state.adaptive_rows
+    if ADAPTIVE_SCENARIO in cfg.scenarios and not prompts:
+        log("adaptive verification sweep (verispec, by batch size) ...")
+        adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log)
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -305,7 +327,8 @@ def run(args: argparse.Namespace) -> int:
         "max_tokens": cfg.max_tokens,
         "runs": cfg.runs,
         "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
-        "scenarios": {s: SCENARIOS[s].description() if s in SCENARIOS else "speculative sweep"
+        "scenarios": {s: SCENARIOS[s].description() if s in SCENARIOS else
+                      "adaptive verification sweep" if s == ADAPTIVE_SCENARIO else "speculative sweep"
                       for s in cfg.scenarios},
         "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
@@ -338,6 +361,19 @@ def run(args: argparse.Namespace) -> int:
         plot_spec(cfg.out / "spec.png", spec_rows)
         if not all(r.identical for r in spec_rows):
             state.errors["spec"] = "a speculative run's greedy output differs from the non-speculative one"
+    if adaptive_rows:
+        summaries = summarize(adaptive_rows)
+        adaptive_md = format_adaptive_table(adaptive_rows) + "\n\n" + format_summary(summaries)
+        print()
+        print(adaptive_md)
+        (cfg.out / "adaptive.md").write_text(adaptive_md + "\n")
+        (cfg.out / "adaptive.json").write_text(json.dumps(
+            {"machine": machine, "max_tokens": cfg.max_tokens, "runs": cfg.runs, "rows": adaptive_json(adaptive_rows),
+             "summary": summary_json(summaries), "target_met": target_met(summaries)}, indent=2))
+        plot_adaptive(cfg.out / "adaptive.png", adaptive_rows)
+        if not all(r.identical for r in adaptive_rows):
+            bad = ", ".join(f"batch {r.batch_size} {r.config}" for r in adaptive_rows if not r.identical)
+            state.errors["adaptive"] = f"greedy output differs from the non-speculative one: {bad}"
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes]}
     write_json(cfg.out / "bench.json", doc, results, heads)

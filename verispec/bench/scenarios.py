@@ -48,7 +48,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 )}
 # The speculative sweep (verispec only, its own prompt set): see verispec/bench/spec.py.
 SPEC_SCENARIO = "spec"
-ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO)
+# The adaptive verification sweep (verispec only, by batch size): see verispec/bench/adaptive.py.
+ADAPTIVE_SCENARIO = "adaptive"
+ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO)
 
 
 def headlines() -> dict[str, str]:
