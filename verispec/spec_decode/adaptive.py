@@ -91,7 +91,7 @@ class CostModel:
                 ids = torch.zeros(n, dtype=torch.long, device=device)
                 pos = torch.zeros(n, dtype=torch.long, device=device)
                 best = math.inf
-                for _ in range(2 if n <= 64 else 1):
+                for _ in range(3 if n <= 16 else 2 if n <= 64 else 1):  # small steps are the noisy ones
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.perf_counter()
@@ -245,5 +245,9 @@ class AdaptiveController:
             if q is not None:
                 b = int(np.searchsorted(Q_BUCKET_EDGES, q[j], side="right")) - 1
                 table[b] += GLOBAL_EMA * (outcome - table[b])
+        if 0 < capacity == num_accepted and capacity < len(conf):
+            # Everything verified was accepted, and the next position was not tried: move its
+            # estimate toward the last one's, or a request capped early would never try more.
+            conf[capacity] += REQUEST_EMA * (conf[capacity - 1] - conf[capacity])
         if q is not None:  # next step's estimate: this step's drafts, scored with the new table
             req.spec_survival = list(np.cumprod([self.calibrated(x, req.params.greedy) for x in q]))
