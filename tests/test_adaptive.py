@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_checkpoint, random_prompts
+from conftest import make_tiny_checkpoint
 from test_spec_decode import (  # noqa: F401 - small_vocab_model and other_draft are fixtures
     PROMPT16,
     assert_same_logprobs,
@@ -70,6 +70,19 @@ def test_cost_model_interpolates_extrapolates_and_never_falls():
     assert cost(2) == pytest.approx(1 + 1 / 3)
     assert cost(16) == pytest.approx(2.0)  # flat last segment extrapolates flat
     assert CostModel([1, 2], [1.0, 2.0])(4) == pytest.approx(4.0)
+
+
+def test_a_profiled_cost_table_learns_the_real_steps_and_a_given_one_stays():
+    true = CostModel([1, 8, 64], [0.02, 0.03, 0.5])  # what steps really cost
+    learnt = CostModel([1, 8, 64], [0.01, 0.02, 0.1], learn=True)  # a profile that underestimates
+    fixed = CostModel([1, 8, 64], [0.01, 0.02, 0.1])
+    g = torch.Generator().manual_seed(0)
+    for n in torch.randint(1, 80, (400,), generator=g).tolist():
+        learnt.observe(n, true(n))
+        fixed.observe(n, true(n))
+    for n in (1, 4, 8, 30, 64):
+        assert learnt(n) == pytest.approx(true(n), rel=0.1)
+    assert fixed.seconds == [0.01, 0.02, 0.1]
 
 
 def survival_rows(rows: int, width: int, seed: int) -> tuple[torch.Tensor, list[list[float]]]:

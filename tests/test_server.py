@@ -40,8 +40,10 @@ def server():
 
 @pytest.fixture(scope="module")
 def spec_server():
-    """Speculation on, no API key; the last test kills its engine core."""
-    srv = ServerProcess("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    """Speculation on (adaptive verification, its cost profiled at start-up), no API key; the last
+    test kills its engine core."""
+    srv = ServerProcess("--speculative-config",
+                        '{"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": true}')
     yield srv
     srv.stop()
 
@@ -341,7 +343,10 @@ def test_speculative_server_gives_the_same_greedy_text(server, spec_server):
     plain = server.openai().chat.completions.create(**kw).choices[0].message.content
     spec = spec_server.openai().chat.completions.create(**kw).choices[0].message.content
     assert spec == plain
-    assert spec_server.metrics()["verispec:spec_decode_num_drafts_total"] > 0
+    metrics = spec_server.metrics()
+    assert metrics["verispec:spec_decode_num_drafts_total"] > 0
+    assert metrics["verispec:spec_decode_adaptive_admitted_tokens_total"] == metrics[
+        "verispec:spec_decode_num_draft_tokens_total"]
 
 
 def test_dead_engine_core_gives_503(spec_server):

@@ -116,6 +116,7 @@ class DeltaTracker:
 
 def engine_stats(engine) -> EngineStats:
     m = engine.spec_metrics
+    adaptive = engine.runner.adaptive.stats if engine.runner.adaptive is not None else None
     return EngineStats(
         num_running=len(engine.scheduler.running),
         num_waiting=len(engine.scheduler.waiting),
@@ -127,6 +128,10 @@ def engine_stats(engine) -> EngineStats:
         num_draft_tokens=m.num_draft_tokens,
         num_accepted_tokens=m.num_accepted_tokens,
         accepted_per_position=list(m.accepted_per_position),
+        adaptive_budget_tokens=adaptive.budget_total if adaptive else 0,
+        adaptive_drafted_tokens=adaptive.drafted_total if adaptive else 0,
+        adaptive_admitted_tokens=adaptive.admitted_total if adaptive else 0,
+        adaptive_capacity_histogram=list(adaptive.capacity_histogram) if adaptive else [],
     )
 
 

@@ -83,6 +83,11 @@ class EngineStats(msgspec.Struct):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    # Adaptive verification (zeros / empty when off): see spec_decode/adaptive.AdaptiveStats.
+    adaptive_budget_tokens: int = 0
+    adaptive_drafted_tokens: int = 0
+    adaptive_admitted_tokens: int = 0
+    adaptive_capacity_histogram: list[int] = msgspec.field(default_factory=list)
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

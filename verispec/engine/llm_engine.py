@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -207,6 +208,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -244,6 +246,9 @@ class LLMEngine:
                 self.scheduler.finish(req)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, self.max_model_len)
+        if self.runner.adaptive is not None and not failed:
+            # The step's real cost, for the budget's cost model (drafts as trimmed by the plan).
+            self.runner.adaptive.cost.observe(sched.num_tokens, time.perf_counter() - start)
         return [self._parent_output(pid) for pid in touched]
 
     def _execute_isolated(self, sched: SchedulerOutput, exc: Exception) -> tuple[StepResult, dict[str, str]]:

@@ -43,18 +43,28 @@ from verispec.device_copy import to_device
 REQUEST_EMA = 0.3
 # Engine-wide EMA weight: the starting confidence of a request with no history of its own.
 GLOBAL_EMA = 0.05
-PRIOR_CONFIDENCE = 0.5
+# A confidence never observed starts optimistic: a slot thought good gets verified and learnt
+# about, while one thought bad never would be.
+PRIOR_CONFIDENCE = 0.8
+# How far one measured step moves the cost table (the two grid points around it) toward it.
+COST_LEARNING_RATE = 0.2
 # Left edges of the q-peak buckets of the calibration table.
 Q_BUCKET_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 
 
 @dataclass(slots=True)
 class CostModel:
-    """Forward cost (seconds) against the number of tokens in the step, interpolated linearly
-    between profiled points and extrapolated from the last two."""
+    """Step cost (seconds) against the number of tokens in the step, interpolated linearly
+    between grid points and extrapolated from the last two.
+
+    A profiled table is a start: it times bare forwards, while a real step also pays attention
+    over long contexts, the host's per-row work and whatever else the machine is doing. With
+    `learn`, every measured step (its wall time, read on the host after the step's one
+    synchronisation) moves the table toward it. A table the user gives is kept as given."""
 
     tokens: list[int]
     seconds: list[float]
+    learn: bool = False
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.seconds) or not self.tokens:
@@ -70,6 +80,19 @@ class CostModel:
             slope = (s[-1] - s[-2]) / (t[-1] - t[-2])
             return s[-1] + slope * (num_tokens - t[-1])
         return float(np.interp(num_tokens, t, s))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One measured step of `num_tokens` tokens: a stochastic-gradient step of the
+        piecewise-linear table (extrapolation included) toward the measurement."""
+        if not self.learn or num_tokens < 1 or seconds <= 0 or len(self.tokens) < 2:
+            return
+        t, s = self.tokens, list(self.seconds)
+        i = min(max(int(np.searchsorted(t, num_tokens, side="right")) - 1, 0), len(t) - 2)
+        w = min((num_tokens - t[i]) / (t[i + 1] - t[i]), 2.0)  # > 1: past the last point
+        err = seconds - self(num_tokens)
+        s[i] += COST_LEARNING_RATE * (1.0 - w) * err
+        s[i + 1] += COST_LEARNING_RATE * w * err
+        self.seconds = list(np.maximum.accumulate(np.maximum(s, 1e-9)))
 
     @classmethod
     def profile(cls, model, block_size: int, max_tokens: int, device: torch.device) -> "CostModel":
@@ -100,7 +123,7 @@ class CostModel:
                         torch.cuda.synchronize()
                     best = min(best, time.perf_counter() - t0)
                 times.append(best)
-        return cls(grid, times)
+        return cls(grid, times, learn=True)
 
 
 def choose_budget(scores: list[float], num_emitting: int, base_tokens: int, cost: CostModel) -> int:

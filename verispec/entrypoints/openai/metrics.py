@@ -56,6 +56,20 @@ class _EngineCollector:
         for pos, value in enumerate(s.accepted_per_position):
             per_pos.add_metric([model, str(pos)], value)
         yield per_pos
+        if s.adaptive_capacity_histogram:  # adaptive verification is on
+            yield counter("spec_decode_adaptive_budget_tokens", "Draft tokens the host budgeted (sum of B).",
+                          s.adaptive_budget_tokens)
+            yield counter("spec_decode_adaptive_drafted_tokens", "Draft tokens run through the forward.",
+                          s.adaptive_drafted_tokens)
+            yield counter("spec_decode_adaptive_admitted_tokens", "Draft tokens admitted to verification.",
+                          s.adaptive_admitted_tokens)
+            caps = CounterMetricFamily(
+                "verispec:spec_decode_adaptive_capacity", "Request-steps by drafts verified (capacity).",
+                labels=["model_name", "capacity"],
+            )
+            for cap, value in enumerate(s.adaptive_capacity_histogram):
+                caps.add_metric([model, str(cap)], value)
+            yield caps
 
 
 class ServerMetrics:
