@@ -72,6 +72,7 @@ def test_explicit_values_win_over_quick_and_none_means_no_peers():
                                 "--scenarios", "ttft, extractive,ttft", "--threads", "1"))
     assert (cfg.max_tokens, cfg.runs, cfg.peers, cfg.threads) == (7, 2, [], 1)
     assert cfg.scenarios == ["ttft", "extractive"]  # order kept, duplicates dropped
+    assert cfg.adaptive_queue == 1 and runner._resolve(_args("--adaptive-queue", "3")).adaptive_queue == 3
 
 
 @pytest.mark.parametrize("argv, word", [
@@ -79,6 +80,7 @@ def test_explicit_values_win_over_quick_and_none_means_no_peers():
     (("--scenarios", "single,nope"), "nope"),
     (("--max-tokens", "0"), "--max-tokens"),
     (("--runs", "0"), "--runs"),
+    (("--adaptive-queue", "0"), "--adaptive-queue"),
     (("--scenarios", ","), "no scenario"),
 ])
 def test_bad_options_are_rejected(argv, word):

@@ -139,10 +139,15 @@ def _run_once(llm: Any, convs: list[Conversation], params: Any, row: AdaptiveRow
 
 
 def run_adaptive(max_tokens: int, runs: int, quick: bool, log: Callable[[str], None],
-                 loaded: dict[str, Any] | None = None) -> list[AdaptiveRow]:
+                 loaded: dict[str, Any] | None = None, queue: int = 1) -> list[AdaptiveRow]:
     """Per batch size and run, every configuration back to back, so drift in machine speed hits
     all of them alike. `loaded` maps configuration names to engines already built that way (the
-    bench's plain engine is "none"), which saves their load time."""
+    bench's plain engine is "none"), which saves their load time.
+
+    queue > 1 measures serving instead of one batch: queue x batch requests are submitted and at
+    most `batch` run at once, a finished one's slot going to the next (continuous batching). A
+    fixed batch lasts as long as its slowest request, so drafts that finish fast requests sooner
+    buy nothing there; in serving they free a slot for the next request."""
     from verispec import LLM, SamplingParams
 
     names = list(QUICK_CONFIGS if quick else CONFIGS)
@@ -158,7 +163,9 @@ def run_adaptive(max_tokens: int, runs: int, quick: bool, log: Callable[[str], N
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     rows: list[AdaptiveRow] = []
     for size in sizes:
-        convs = batch_of(size)
+        convs = batch_of(size * queue)
+        for llm in engines.values():  # concurrency cap for this batch size
+            llm.engine.scheduler.max_num_seqs = size if queue > 1 else max(64, max(sizes))
         by_name = {n: AdaptiveRow(size, n) for n in names}
         for _ in range(runs):
             ref: list[list[int]] | None = None

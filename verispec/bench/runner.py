@@ -89,6 +89,7 @@ class BenchConfig:
     runs: int
     scenarios: list[str]
     threads: int | None
+    adaptive_queue: int = 1  # adaptive sweep: requests per batch slot (1: one fixed batch)
 
 
 @dataclass(slots=True)
@@ -128,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"timed runs per figure, median reported (default {DEFAULT_RUNS}; {QUICK_RUNS} with --quick)")
     parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS),
                         help="comma list of scenarios (default: %(default)s)")
+    parser.add_argument("--adaptive-queue", type=int, default=1, metavar="N",
+                        help="adaptive sweep: submit N x batch requests with at most `batch` running at once "
+                             "(continuous batching), instead of one fixed batch (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for every system (default: torch's default, normally all cores)")
 
@@ -154,9 +158,11 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join(ALL_SCENARIOS)}")
     if not scenarios:
         raise ValueError("--scenarios names no scenario")
-    if max_tokens < 1 or runs < 1 or (threads is not None and threads < 1):
-        raise ValueError("--max-tokens, --runs and --threads must be >= 1")
-    return BenchConfig(quick, peers, Path(getattr(args, "out", "bench-out")), max_tokens, runs, scenarios, threads)
+    queue = getattr(args, "adaptive_queue", 1)
+    if max_tokens < 1 or runs < 1 or queue < 1 or (threads is not None and threads < 1):
+        raise ValueError("--max-tokens, --runs, --adaptive-queue and --threads must be >= 1")
+    return BenchConfig(quick, peers, Path(getattr(args, "out", "bench-out")), max_tokens, runs, scenarios, threads,
+                       queue)
 
 
 def _busy_seconds() -> float | None:
@@ -233,7 +239,8 @@ def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt
         log("adaptive verification sweep (verispec, by batch size) ...")
         # The bench's plain engine is the sweep's reference; no other bench engine matches a config.
         state.adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log,
-                                           {"none": system.llm})  # type: ignore[attr-defined]
+                                           {"none": system.llm},  # type: ignore[attr-defined]
+                                           queue=cfg.adaptive_queue)
     if system.key == "hf":
         for check in state.checks:
             # HF's log_softmax of its own logits for verispec's exact token sequence.
@@ -317,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
     adaptive_rows = state.adaptive_rows
     if ADAPTIVE_SCENARIO in cfg.scenarios and not prompts:
         log("adaptive verification sweep (verispec, by batch size) ...")
-        adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log)
+        adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log, queue=cfg.adaptive_queue)
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -364,11 +371,15 @@ def run(args: argparse.Namespace) -> int:
     if adaptive_rows:
         summaries = summarize(adaptive_rows)
         adaptive_md = format_adaptive_table(adaptive_rows) + "\n\n" + format_summary(summaries)
+        if cfg.adaptive_queue > 1:
+            adaptive_md = (f"Serving: {cfg.adaptive_queue} x batch requests per batch size, at most `batch` "
+                           "running at once (continuous batching).\n\n" + adaptive_md)
         print()
         print(adaptive_md)
         (cfg.out / "adaptive.md").write_text(adaptive_md + "\n")
         (cfg.out / "adaptive.json").write_text(json.dumps(
-            {"machine": machine, "max_tokens": cfg.max_tokens, "runs": cfg.runs, "rows": adaptive_json(adaptive_rows),
+            {"machine": machine, "max_tokens": cfg.max_tokens, "runs": cfg.runs, "queue": cfg.adaptive_queue,
+             "rows": adaptive_json(adaptive_rows),
              "summary": summary_json(summaries), "target_met": target_met(summaries)}, indent=2))
         plot_adaptive(cfg.out / "adaptive.png", adaptive_rows)
         if not all(r.identical for r in adaptive_rows):
