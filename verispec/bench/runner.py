@@ -118,7 +118,7 @@ def log(msg: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {QUICK_MAX_TOKENS} tokens, {QUICK_RUNS} run (under 3 minutes)")
+                        help=f"smoke run: {QUICK_MAX_TOKENS} tokens, {QUICK_RUNS} run (about 3 minutes)")
     parser.add_argument("--peers", default="hf,llamacpp",
                         help=f"comma list of peers to compare with: {','.join(PEERS)}, or 'none' (default: %(default)s)")
     parser.add_argument("--out", default="bench-out", metavar="DIR",
