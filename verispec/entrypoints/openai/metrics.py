@@ -36,6 +36,13 @@ class _EngineCollector:
             c.add_metric([model], value)
             return c
 
+        def counter_by_index(name: str, doc: str, label: str, values: list[int]):
+            """One counter per list index (draft position, capacity), labelled with the index."""
+            c = CounterMetricFamily(f"verispec:{name}", doc, labels=["model_name", label])
+            for i, value in enumerate(values):
+                c.add_metric([model, str(i)], value)
+            return c
+
         used = s.kv_blocks_total - s.kv_blocks_free
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
@@ -49,13 +56,8 @@ class _EngineCollector:
         yield counter("spec_decode_num_drafts", "Verify steps of a request that carried drafts.", s.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens)
-        per_pos = CounterMetricFamily(
-            "verispec:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
-            labels=["model_name", "position"],
-        )
-        for pos, value in enumerate(s.accepted_per_position):
-            per_pos.add_metric([model, str(pos)], value)
-        yield per_pos
+        yield counter_by_index("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
+                               "position", s.accepted_per_position)
         if s.adaptive_capacity_histogram:  # adaptive verification is on
             yield counter("spec_decode_adaptive_budget_tokens", "Draft tokens the host budgeted (sum of B).",
                           s.adaptive_budget_tokens)
@@ -63,13 +65,8 @@ class _EngineCollector:
                           s.adaptive_drafted_tokens)
             yield counter("spec_decode_adaptive_admitted_tokens", "Draft tokens admitted to verification.",
                           s.adaptive_admitted_tokens)
-            caps = CounterMetricFamily(
-                "verispec:spec_decode_adaptive_capacity", "Request-steps by drafts verified (capacity).",
-                labels=["model_name", "capacity"],
-            )
-            for cap, value in enumerate(s.adaptive_capacity_histogram):
-                caps.add_metric([model, str(cap)], value)
-            yield caps
+            yield counter_by_index("spec_decode_adaptive_capacity", "Request-steps by drafts verified (capacity).",
+                                   "capacity", s.adaptive_capacity_histogram)
 
 
 class ServerMetrics:
