@@ -240,7 +240,7 @@ class ModelRunner:
             if lists is None:
                 continue
             if out.lp_start is None:
-                if req.params.logprobs is not None or req.params.logprob_token_ids is not None:
+                if req.logprobs is not None:  # the request keeps logprobs
                     result.logprobs[rid] = lists.slice_request(i, n)
             elif i in out.lp_start:
                 start = out.lp_start[i]
@@ -271,7 +271,7 @@ class ModelRunner:
             if self.adaptive is not None and self.drafter is None and spec:
                 host_scores = self.adaptive.host_scores(req, len(spec))
             reqs.append(VerifyRequest(
-                spec=rows[0], rows=rows, first_flat_row=batch.sample_rows[row], host_drafts=list(spec),
+                rows=rows, first_flat_row=batch.sample_rows[row], host_drafts=list(spec),
                 device_drafts=t, q=q, confidence=req.draft_conf if spec else None, host_scores=host_scores,
             ))
             row += len(spec) + 1

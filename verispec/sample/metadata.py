@@ -61,10 +61,6 @@ class SamplingMetadata:
     # Tensors the processors build from `rows` once and share with every view of them.
     cache: dict = field(default_factory=dict)
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.rows) if self.row_index is None else self.row_index.shape[0]
-
     def select(self, row_index: torch.Tensor) -> "SamplingMetadata":
         """Metadata for logits rows picked from `rows` on the device (compact verification): the
         per-row tensors are gathered, host-built ones are gathered when a stage builds them."""

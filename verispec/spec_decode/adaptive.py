@@ -156,7 +156,7 @@ def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
     """Host twin of `admit`: how many of each request's slots fall in the `budget` best."""
     width = max((len(row) for row in scores), default=0)
     padded = torch.tensor([row + [float("-inf")] * (width - len(row)) for row in scores], dtype=torch.float32)
-    keys = admission_keys(padded).tolist()
+    keys = admission_keys(padded).tolist()  # a CPU tensor of host values: no device read
     flat = sorted(((-keys[i][j], i) for i, row in enumerate(scores) for j in range(len(row))))
     counts = [0] * len(scores)
     for _, i in flat[:budget]:

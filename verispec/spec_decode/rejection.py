@@ -128,7 +128,7 @@ def verify(
     first_pos: list[int],  # [R] sequence position that row 0 emits
 ) -> VerifyOutput:
     """Verification of a padded [R, K+1] layout with host counts: `row_outcomes` on the real rows
-    then `assemble`. The engine builds compact rows itself (engine/verify_rows.py)."""
+    then `assemble`. The engine builds compact rows itself (spec_decode/verify_batch.py)."""
     r, k1, vocab = target_logits.shape
     k = k1 - 1
     device = target_logits.device

@@ -41,7 +41,6 @@ class VerifyBatchOutput:
 class VerifyRequest:
     """What the runner knows of one sampled request on the host."""
 
-    spec: RowSpec  # the request's first verify row (its mode, its logprob settings)
     rows: list[RowSpec]  # its candidate rows: one per draft, then the bonus row
     first_flat_row: int  # the flat-batch row of its first candidate row
     host_drafts: list[int]  # draft values known on the host (placeholders for device drafts)
@@ -49,6 +48,11 @@ class VerifyRequest:
     q: torch.Tensor | None  # [d, V] draft probabilities (q-drafters)
     confidence: torch.Tensor | None  # [d] q peak at each draft position, on the device
     host_scores: list[float] | None  # [d] survival scores known on the host (ngram)
+
+    @property
+    def spec(self) -> RowSpec:
+        """The request's first verify row: its parameters, mode and logprob settings."""
+        return self.rows[0]
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
