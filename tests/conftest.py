@@ -9,8 +9,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
+from hypothesis import settings
 
 TINY_VOCAB = 512
+
+# Hypothesis profiles. "ci" (the default) is reproducible: the same examples on every run and
+# machine, and a failure prints the blob that replays it. "explore" draws fresh random examples,
+# ten times as many: `HYPOTHESIS_PROFILE=explore python -m pytest -q -p no:randomly -k "property or fuzz"`.
+settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None, database=None)
+settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
+HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def examples(n: int) -> int:
+    """A test's example budget under the loaded profile."""
+    return n * 10 if HYPOTHESIS_PROFILE == "explore" else n
 
 
 def make_tiny_checkpoint(path, arch: str = "llama", seed: int | None = None, **overrides) -> str:

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_checkpoint
+from conftest import examples, make_tiny_checkpoint
 from test_spec_decode import (  # noqa: F401 - small_vocab_model and other_draft are fixtures
     PROMPT16,
     assert_same_logprobs,
@@ -49,7 +49,7 @@ def test_choose_budget_on_a_hand_made_table():
     assert choose_budget([0.3, 0.2, 0.1], 1, 1, CostModel([1, 100], [1.0, 1.0])) == 3
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     scores=st.lists(st.floats(0, 1), max_size=12),
     num_emitting=st.integers(1, 6),

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from conftest import examples
 from verispec.engine.kv_cache import BlockPool
 
 
@@ -232,5 +233,5 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = settings(
-    max_examples=200, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(200), stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )

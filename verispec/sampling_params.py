@@ -1,7 +1,10 @@
 """SamplingParams: vLLM's field names and meanings, validated on construction.
 
-Every invalid value raises `ValueError` naming the field and the allowed range. Checks that need the
-model (vocab size, context length) run in `check_against_model`, called when a request is added.
+Every invalid value raises `ValueError` naming the field and the allowed range. Every integer must
+fit a signed 64-bit int: that is what crosses to the engine-core process and to the device. Checks
+that need the model (vocab size, context length) run in `check_against_model`, called when a request
+is added. Clamps, as vLLM does: `top_k` at or above the vocabulary is no top-k, and `max_tokens` is
+cut to what the context leaves.
 """
 
 from __future__ import annotations
@@ -13,10 +16,23 @@ from dataclasses import dataclass, field
 from verispec.config import LogprobsMode
 
 MAX_LOGPROB_TOKEN_IDS = 128
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int (not a bool) that fits a signed 64-bit integer."""
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+
+
+def is_valid_text(value: object) -> bool:
+    """A str that is valid Unicode (a lone surrogate cannot be tokenized or sent as UTF-8)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_number(value: object) -> bool:
@@ -63,21 +79,21 @@ class SamplingParams:
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1; got {self.n!r}")
+            raise ValueError(f"n must be an integer in [1, 2**63); got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1; got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer in [1, 2**63); got {self.top_k!r}")
         if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1]; got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63); got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None; got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be None or an integer in [1, 2**63); got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0; got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be an integer in [0, 2**63); got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}); got {self.min_tokens}"
@@ -85,8 +101,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None:
-            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"stop must be a non-empty string or a list of them; got {self.stop!r}")
+            if not isinstance(self.stop, list) or not all(is_valid_text(s) and s for s in self.stop):
+                raise ValueError(
+                    f"stop must be a non-empty string or a list of them, in valid Unicode; got {self.stop!r}"
+                )
         if self.stop_token_ids is not None:
             self.stop_token_ids = self._int_list("stop_token_ids", self.stop_token_ids, lo=0)
         if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
@@ -103,13 +121,17 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list) or not all(
-                isinstance(w, str) and w.strip() for w in self.bad_words
+                is_valid_text(w) and w.strip() for w in self.bad_words
             ):
-                raise ValueError(f"bad_words must be a list of non-empty strings; got {self.bad_words!r}")
+                raise ValueError(
+                    f"bad_words must be a list of non-empty strings in valid Unicode; got {self.bad_words!r}"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < -1):
-                raise ValueError(f"{name} must be None, -1 (full vocabulary) or an integer >= 0; got {value!r}")
+                raise ValueError(
+                    f"{name} must be None, -1 (full vocabulary) or an integer in [0, 2**63); got {value!r}"
+                )
         if self.logprob_token_ids is not None:
             ids = self._int_list("logprob_token_ids", self.logprob_token_ids, lo=0)
             if not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS:
@@ -128,7 +150,7 @@ class SamplingParams:
     @staticmethod
     def _int_list(name: str, value: object, lo: int) -> list[int]:
         if not isinstance(value, (list, tuple)) or not all(_is_int(v) and v >= lo for v in value):
-            raise ValueError(f"{name} must be a list of integers >= {lo}; got {value!r}")
+            raise ValueError(f"{name} must be a list of integers in [{lo}, 2**63); got {value!r}")
         return list(value)
 
     @staticmethod
@@ -144,8 +166,8 @@ class SamplingParams:
                 token = int(key)
             else:
                 raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
-            if token < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0; got {key!r}")
+            if not 0 <= token <= INT64_MAX:
+                raise ValueError(f"logit_bias keys must be token ids in [0, 2**63); got {key!r}")
             if not _is_number(value) or not (-100.0 <= value <= 100.0):
                 raise ValueError(f"logit_bias values must be in [-100, 100]; got {value!r} for {key!r}")
             out[token] = float(value)

@@ -149,8 +149,46 @@ class EngineCore:
         self._parent_pid = os.getppid()
 
     def send(self, deltas: list[RequestDelta]) -> None:
-        msg = CoreOutputs(deltas, engine_stats(self.engine))
-        self.out_sock.send(self.encoder.encode(msg), copy=False)
+        stats = engine_stats(self.engine)
+        try:
+            payload = self.encoder.encode(CoreOutputs(deltas, stats))
+        except Exception:  # noqa: BLE001 - a delta that cannot be encoded fails its request alone
+            deltas = [self._encodable(d) for d in deltas]
+            payload = self.encoder.encode(CoreOutputs(deltas, stats))
+        self.out_sock.send(payload, copy=False)
+
+    def _encodable(self, delta: RequestDelta) -> RequestDelta:
+        try:
+            self.encoder.encode(delta)
+            return delta
+        except Exception as exc:  # noqa: BLE001
+            logger.error("output of %s cannot be encoded: %s", delta.request_id, exc)
+            if not delta.finished:
+                self.engine.abort_request(delta.request_id)
+                self.tracker.forget(delta.request_id)
+            return RequestDelta(delta.request_id, [], True, error=f"the output could not be sent: {exc}",
+                                error_kind="internal")
+
+    def receive(self, data: bytes) -> tuple[list[RequestDelta], bool]:
+        """Decodes and applies one input. An input that does not decode refuses the requests it
+        names (each with its own error), never the core or the other requests."""
+        try:
+            return self.handle(self.decoder.decode(data))
+        except msgspec.MsgspecError as exc:
+            logger.error("undecodable input: %s", exc)
+        try:
+            raw = msgspec.msgpack.decode(data)
+        except msgspec.MsgspecError:  # nothing readable: nothing to answer
+            return [], True
+        deltas: list[RequestDelta] = []
+        for add in raw.get("requests", [raw]) if isinstance(raw, dict) else []:
+            try:
+                deltas.extend(self.handle(msgspec.convert(add, AddRequest))[0])
+            except msgspec.MsgspecError as exc:
+                rid = add.get("request_id") if isinstance(add, dict) else None
+                if isinstance(rid, str):
+                    deltas.append(RequestDelta(rid, [], True, error=f"invalid request: {exc}", error_kind="invalid"))
+        return deltas, True
 
     def handle(self, msg) -> tuple[list[RequestDelta], bool]:
         """Applies one input; returns refusals to send and whether to keep running."""
@@ -183,7 +221,7 @@ class EngineCore:
                     return
                 continue
             while running and self.in_sock.poll(0):
-                refused, running = self.handle(self.decoder.decode(self.in_sock.recv()))
+                refused, running = self.receive(self.in_sock.recv())
                 deltas.extend(refused)
                 touched = True
             if running and self.engine.has_unfinished_requests():

@@ -149,11 +149,30 @@ class AsyncEngineClient:
         adds, self._pending_adds = self._pending_adds, []
         if self.dead or not adds:
             return
-        msg = adds[0] if len(adds) == 1 else AddRequests(adds)
         try:
-            self._in.send(self._encoder.encode(msg))
-        except zmq.ZMQError:  # the socket is closing at shutdown
-            pass
+            payload = self._encoder.encode(adds[0] if len(adds) == 1 else AddRequests(adds))
+        except Exception:  # noqa: BLE001 - some add cannot be encoded: it fails alone, the rest go
+            sendable = []
+            for add in adds:
+                try:
+                    self._encoder.encode(add)
+                    sendable.append(add)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(add.request_id, f"the request could not be sent to the engine: {exc}")
+            if not sendable:
+                return
+            payload = self._encoder.encode(sendable[0] if len(sendable) == 1 else AddRequests(sendable))
+        try:
+            self._in.send(payload)
+        except zmq.ZMQError as exc:  # the socket is closing at shutdown
+            for add in adds:
+                self._fail(add.request_id, f"the request could not be sent to the engine: {exc}")
+
+    def _fail(self, request_id: str, message: str, kind: str = "internal") -> None:
+        """Ends one waiting request with an error delta (a 500 with `message`)."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(RequestDelta(request_id, [], True, error=message, error_kind=kind))
 
     def abort(self, request_ids: list[str]) -> None:
         """Not a coroutine on purpose: it runs in the `finally` of a cancelled request, where any
@@ -171,7 +190,12 @@ class AsyncEngineClient:
     # ------------------------------------------------------------------ background tasks
     async def _output_loop(self) -> None:
         while True:
-            msg = self._decoder.decode(await self._out.recv())
+            data = await self._out.recv()
+            try:
+                msg = self._decoder.decode(data)
+            except msgspec.MsgspecError as exc:
+                self._fail_undecodable(data, exc)
+                continue
             if not isinstance(msg, CoreOutputs):
                 continue
             for delta in msg.deltas:
@@ -180,7 +204,23 @@ class AsyncEngineClient:
                     queue.put_nowait(delta)
             self.stats = msg.stats
             for fn in self._stats_listeners:
-                fn(msg.stats)
+                try:
+                    fn(msg.stats)
+                except Exception:  # noqa: BLE001 - a metrics hook must not stop the outputs
+                    logger.exception("stats listener failed")
+
+    def _fail_undecodable(self, data: bytes, exc: Exception) -> None:
+        """An output message that does not decode fails the requests it names, or, when even
+        those cannot be read from it, every waiting request: none is left waiting forever."""
+        logger.error("undecodable message from the engine core: %s", exc)
+        try:
+            deltas = msgspec.msgpack.decode(data).get("deltas", [])
+            ids = [d[0] for d in deltas if d and isinstance(d[0], str) and d[0] in self._queues]
+        except Exception:  # noqa: BLE001
+            ids = list(self._queues)
+        for rid in ids:
+            self._fail(rid, f"the engine's output for this request could not be read: {exc}")
+            self.abort([rid])
 
     async def _watchdog(self) -> None:
         while self._proc.is_alive():

@@ -21,7 +21,7 @@ from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer
 from verispec.outputs import RequestOutput
 from verispec.sample.noise import RequestNoise
-from verispec.sampling_params import SamplingParams
+from verispec.sampling_params import SamplingParams, is_valid_text
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 from verispec.spec_decode.drafter import make_drafter
 from verispec.spec_decode.metrics import SpecDecodeMetrics
@@ -114,6 +114,8 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+        if not is_valid_text(prompt):
+            raise ValueError("prompt must be valid Unicode text (it holds a lone surrogate)")
         return self.tokenizer.encode(prompt)
 
     def add_request(

@@ -81,7 +81,7 @@ class SamplingMetadata:
             p = r.params
             greedy.append(p.greedy)
             temps.append(1.0 if p.greedy else float(p.temperature))
-            ks.append(p.top_k if p.top_k > 0 else vocab_size)
+            ks.append(min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size)  # above the vocabulary: off
             ps.append(float(p.top_p))
             mps.append(float(p.min_p))
             if not r.position_independent:

@@ -10,11 +10,33 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from verispec.sampling_params import is_valid_text
+
+
+def _check_unicode(value: Any) -> Any:
+    """JSON may carry a lone surrogate ("\\ud800"), which no tokenizer or UTF-8 encoder takes."""
+    if isinstance(value, str):
+        if not is_valid_text(value):
+            raise ValueError("text must be valid Unicode (it holds a lone surrogate)")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+    return value
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _Request(_Model):
+    # Every field of every request model: no text reaches the tokenizer or the wire un-encodable.
+    _unicode = field_validator("*")(_check_unicode)
 
 
 # ------------------------------------------------------------------------------------- errors
@@ -30,11 +52,11 @@ class ErrorResponse(_Model):
 
 
 # ------------------------------------------------------------------------------------ requests
-class StreamOptions(_Model):
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
@@ -74,12 +96,12 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
 
 
-class ContentPart(_Model):
+class ContentPart(_Request):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Model):
+class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -94,13 +116,13 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 

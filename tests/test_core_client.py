@@ -1,0 +1,110 @@
+"""The frontend <-> engine-core hand-off: one request that cannot cross fails alone, at once.
+
+The core runs in a thread of this process (`EngineCore.run` over real pyzmq sockets) on a tiny
+model, and the frontend is a real `AsyncEngineClient` without its child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from verispec import LLM, SamplingParams
+from verispec.engine.core import EngineCore, params_to_wire
+from verispec.engine.core_client import AsyncEngineClient
+from verispec.engine.core_protocol import AddRequest, Shutdown
+
+GOOD = dict(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture
+def wired(tiny_llama):
+    """(client, out_address): a client whose core is a thread of this process."""
+    llm = LLM(tiny_llama)
+    client = AsyncEngineClient(llm.engine.config)
+    in_addr, out_addr = f"ipc://{client._tmp}/input.sock", f"ipc://{client._tmp}/output.sock"
+    client._in.bind(in_addr)
+    client._out.bind(out_addr)
+    ctx = zmq.Context()
+    core_in, core_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    core_in.connect(in_addr)
+    core_out.connect(out_addr)
+    thread = threading.Thread(target=EngineCore(llm.engine, core_in, core_out).run, daemon=True)
+    thread.start()
+    yield client, out_addr
+
+    async def stop_core():
+        await client._in.send(client._encoder.encode(Shutdown()))
+
+    asyncio.run(stop_core())
+    thread.join(10)
+    core_in.close(linger=0)
+    core_out.close(linger=0)
+    ctx.term()
+    asyncio.run(client.shutdown())
+
+
+async def _collect(client: AsyncEngineClient, rid: str, params: SamplingParams) -> list:
+    return [delta async for delta in client.generate(rid, [5, 6, 7], params)]
+
+
+def test_a_request_that_cannot_be_encoded_fails_alone(wired, monkeypatch):
+    client, _ = wired
+    flushed = []
+    original = client._flush_adds
+    monkeypatch.setattr(client, "_flush_adds", lambda: (flushed.append(len(client._pending_adds)), original()))
+    poisoned = SamplingParams(**GOOD)
+    poisoned.seed = 2**70  # set after validation: msgpack cannot encode it
+
+    async def scenario():
+        client._tasks = [asyncio.create_task(client._output_loop())]
+        tasks = [asyncio.create_task(_collect(client, f"r{i}", poisoned if i == 1 else SamplingParams(**GOOD)))
+                 for i in range(4)]
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    results = asyncio.run(scenario())
+    assert flushed == [4]  # one event-loop iteration, one message
+    bad = results[1]
+    assert len(bad) == 1 and bad[0].finished and "could not be sent to the engine" in bad[0].error
+    for i in (0, 2, 3):
+        assert results[i][-1].finished and results[i][-1].error is None
+        assert sum(len(c.token_ids) for d in results[i] for c in d.completions) == 3
+
+
+def test_an_unreadable_output_fails_the_request_it_names_alone(wired):
+    client, out_addr = wired
+
+    async def scenario():
+        client._tasks = [asyncio.create_task(client._output_loop())]
+        long = asyncio.create_task(_collect(client, "long", SamplingParams(**{**GOOD, "max_tokens": 400})))
+        short = asyncio.create_task(_collect(client, "short", SamplingParams(**GOOD)))
+        await asyncio.sleep(0.2)
+        # A second pusher on the frontend's output socket: a delta for "long" whose fields are wrong.
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(out_addr)
+        push.send(msgspec.msgpack.encode({"type": "outputs", "deltas": [["long", "not a list", "no"]], "stats": {}}))
+        push.close(linger=1000)
+        ctx.term()
+        return await asyncio.wait_for(asyncio.gather(long, short), 60)
+
+    long, short = asyncio.run(scenario())
+    assert long[-1].finished and "could not be read" in long[-1].error
+    assert short[-1].error is None and sum(len(c.token_ids) for d in short for c in d.completions) == 3
+
+
+def test_the_core_refuses_an_undecodable_add_alone(tiny_llama):
+    engine = LLM(tiny_llama).engine
+    core = EngineCore(engine, None, None)
+    good = [msgspec.to_builtins(AddRequest(rid, [5, 6, 7], params_to_wire(SamplingParams(**GOOD)))) for rid in "ac"]
+    bad = {"type": "add", "request_id": "b", "prompt_token_ids": ["x"], "params": {}}
+    refused, running = core.receive(msgspec.msgpack.encode({"type": "add_many", "requests": [good[0], bad, good[1]]}))
+    assert running
+    assert [(d.request_id, d.error_kind) for d in refused] == [("b", "invalid")]
+    assert sorted(engine.request_ids()) == ["a", "c"]
+    # Nothing readable at all: nothing to answer, and the core keeps running.
+    assert core.receive(b"\xc1") == ([], True)
