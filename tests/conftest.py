@@ -15,11 +15,39 @@ TINY_VOCAB = 512
 
 # Hypothesis profiles. "ci" (the default) is reproducible: the same examples on every run and
 # machine, and a failure prints the blob that replays it. "explore" draws fresh random examples,
-# ten times as many: `HYPOTHESIS_PROFILE=explore python -m pytest -q -p no:randomly -k "property or fuzz"`.
+# ten times as many (README.md, "Developing").
 settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None, database=None)
 settings.register_profile("explore", derandomize=False, print_blob=True, deadline=None)
 HYPOTHESIS_PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+# Two fp32 implementations of one forward differ by their reduction order, which changes with the
+# CPU kind (AVX-512, AMX, AVX2 kernels block sums differently). That rounding grows with the
+# magnitude of what is summed, so a bound is an absolute floor plus a part relative to the scale of
+# the compared row (its largest |value|). 2e-5 is about 170 fp32 epsilons, the order of
+# sqrt(hidden size x layers) roundings accumulated through a 30-layer, 576-wide model; a real bug
+# (a wrong permutation, a dropped bias, a mis-scaled rope) moves logits by 1e-2 or more.
+FP32_ATOL = 1e-5
+FP32_RTOL = 2e-5
+
+
+def fp32_tol(scale: float) -> float:
+    """The bound for values computed in fp32 whose scale (largest |value| of the row) is `scale`."""
+    return FP32_ATOL + FP32_RTOL * float(scale)
+
+
+# SmolLM2's logits reach about |31|: two fp32 runs of it (another batch, another process) give
+# logprobs within twice the logits' bound (log-softmax adds at most the largest logit error).
+SMOLLM2_LOGPROB_TOL = 2 * fp32_tol(32.0)
+
+
+def assert_close_to_oracle(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """Row by row: |ours - ref| <= fp32_tol(max |ref| of the row). Returns the worst ratio to the bound."""
+    bound = FP32_ATOL + FP32_RTOL * ref.abs().amax(-1, keepdim=True)
+    ratio = ((ours - ref).abs() / bound).max().item()
+    assert ratio <= 1.0, f"max |diff| {(ours - ref).abs().max().item():.3g} exceeds the fp32 bound (ratio {ratio:.2f})"
+    return ratio
 
 
 def examples(n: int) -> int:
@@ -115,6 +143,22 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_matches_hf(model, prompts: list[list[int]], ours: list[list[int]], expected: list[list[int]]) -> None:
+    """Greedy tokens equal HF's, except where the two sides split at a near-tie: at the first token
+    that differs, HF's own top logit and the logit of our token must then lie within the fp32
+    bound of each other (a split anywhere else is a real difference)."""
+    for prompt, got, want in zip(prompts, ours, expected):
+        if got == want:
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        with torch.no_grad():
+            row = model(torch.tensor([prompt + want[:j]])).logits[0, -1].float()
+        gap = (row.max() - row[got[j]]).item()
+        assert gap <= 2 * fp32_tol(row.abs().max()), (
+            f"greedy output differs from HF at token {j} ({got[j]} vs {want[j]}) with a logit gap of {gap:.3g}"
+        )
 
 
 def hf_processed(row: torch.Tensor, params, history: list[int]) -> torch.Tensor:

@@ -305,9 +305,27 @@ def test_invalid_adaptive_options_name_the_field(tiny_llama, bad, field):
         LLM(tiny_llama, speculative_config={"method": "ngram", **bad})
 
 
-def test_profiled_cost_table_grows_with_tokens(tiny_llama):
-    llm = LLM(tiny_llama, max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                             "adaptive_verification": True})
-    cost = llm.engine.runner.adaptive.cost
-    assert cost.tokens[0] == 1 and cost.tokens[-1] == 32  # max_num_seqs * (k + 1)
-    assert all(b >= a for a, b in itertools.pairwise(cost.seconds))
+def test_profile_times_every_grid_size_and_keeps_the_fastest_run(tiny_llama, monkeypatch):
+    """A fake clock: a forward over n tokens costs 1 ms per token, plus 1 s on the first run of each
+    size (a cold cache). The profile must time each size of the doubling grid and keep its best run."""
+    from types import SimpleNamespace
+
+    from verispec.spec_decode import adaptive as adaptive_mod
+
+    model = LLM(tiny_llama).engine.runner.model
+    clock, seen = [0.0], set()
+
+    class Timed:
+        cfg, dtype = model.cfg, model.dtype
+
+        def __call__(self, ids, *args):
+            clock[0] += 1e-3 * len(ids) + (0.0 if len(ids) in seen else 1.0)
+            seen.add(len(ids))
+            return model(ids, *args)
+
+        compute_logits = staticmethod(model.compute_logits)
+
+    monkeypatch.setattr(adaptive_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cost = CostModel.profile(Timed(), block_size=16, max_tokens=40, device=torch.device("cpu"))
+    assert cost.tokens == [1, 2, 4, 8, 16, 32, 40] and cost.learn
+    assert cost.seconds == pytest.approx([1e-3 * n for n in cost.tokens])

@@ -274,14 +274,33 @@ def test_missing_llama_cpp_raises_peer_unavailable(monkeypatch):
         LlamaCppSystem("model.gguf", 2, print)
 
 
-def test_plot_writes_a_png(tmp_path):
+def _saved_figures(monkeypatch) -> list:
+    """Figures as they are saved (the plot functions close them right after)."""
+    from matplotlib.figure import Figure
+
+    saved, original = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (saved.append(fig), original(fig, *a, **kw))[1])
+    return saved
+
+
+def test_plot_draws_the_medians_the_busy_hatch_and_a_ttft_panel(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
     from verispec.bench.plot import plot
 
-    rows = [_row("verispec", "single", [20.0, 22.0]), _row("hf", "single", [10.0], load=0.9),
+    saved = _saved_figures(monkeypatch)
+    rows = [_row("verispec", "single", [20.0, 22.0, 30.0]), _row("hf", "single", [10.0], load=0.9),
             _row("verispec", "ttft", [0.5], metric=TTFT)]
     plot(tmp_path / "b.png", rows, {"cpu": "test cpu", "torch_threads": 2}, 128)
-    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    through, ttft = saved[0].axes
+    bars = [p for p in through.patches]
+    assert [b.get_height() for b in bars] == pytest.approx([22.0, 10.0])  # medians, in row order
+    assert [b.get_hatch() for b in bars] == [None, "//"]  # hf ran while others were busy
+    assert [b.get_height() for b in ttft.patches] == pytest.approx([2000.0])  # _row: 1 token in 2 s, shown in ms
+    assert "test cpu, 2 threads" in saved[0]._suptitle.get_text()
+    image = imread(tmp_path / "b.png")
+    assert image.shape[0] == 600 and len({tuple(px) for px in image[::10, ::10].reshape(-1, image.shape[2])}) > 5
 
 
 def test_json_report(tmp_path):
@@ -343,10 +362,15 @@ def test_adaptive_tables():
     assert ok.endswith("**met**.")
 
 
-def test_adaptive_plot_writes_a_png(tmp_path):
+def test_adaptive_plot_draws_one_line_per_configuration(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from verispec.bench.adaptive import plot_adaptive
 
-    rows = [_arow(b, c, [10.0 * b]) for b in (1, 4) for c in ("none", "k=1", ADAPTIVE)]
+    saved = _saved_figures(monkeypatch)
+    rows = [_arow(b, c, [10.0 * b + i]) for b in (1, 4) for i, c in enumerate(("none", "k=1", ADAPTIVE))]
     plot_adaptive(tmp_path / "a.png", rows)
-    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {line.get_label(): line for line in saved[0].axes[0].get_lines()}
+    assert list(lines) == ["none", "k=1", ADAPTIVE]
+    assert list(lines["k=1"].get_xdata()) == [1, 4] and list(lines["k=1"].get_ydata()) == pytest.approx([11.0, 41.0])
+    assert lines[ADAPTIVE].get_linewidth() == 2.5 and lines["none"].get_linestyle() == "--"
+    assert (tmp_path / "a.png").stat().st_size > 10_000

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import hf_greedy, hf_model, random_prompts
+from conftest import assert_greedy_matches_hf, hf_greedy, hf_model, random_prompts
 from verispec import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -154,7 +154,7 @@ def test_smollm2_greedy_batch_matches_hf(smollm2_llm, smollm2_hf):
     # The fixture's 64-token budget and 256-block pool chunk the longer prompts.
     ours = token_ids(smollm2_llm.generate(prompts, params, use_tqdm=False))
     expected = [hf_greedy(smollm2_hf, p, 24) for p in prompts]
-    assert ours == expected
+    assert_greedy_matches_hf(smollm2_hf, prompts, ours, expected)
 
 
 @pytest.mark.slow

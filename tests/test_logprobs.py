@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, hf_model, hf_processed, random_prompts
+from conftest import TINY_VOCAB, fp32_tol, hf_model, hf_processed, random_prompts
 from verispec import LLM, LogprobsLists, LogprobsTensors, SamplingParams
 from verispec.sample.logprobs import compute_topk_scores
 
-TOL = 1e-4
 MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 
@@ -36,12 +36,18 @@ def hf_rows(model, prompt: list[int], output: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt + output])).logits[0].float()
 
 
-def reference_scores(row: torch.Tensor, params: SamplingParams, history: list[int], mode: str) -> torch.Tensor:
-    scores = row if mode.startswith("raw") else hf_processed(row, params, history)
-    return torch.log_softmax(scores, -1) if mode.endswith("logprobs") else scores
+def reference_scores(row: torch.Tensor, params: SamplingParams, history: list[int], mode: str) -> tuple[torch.Tensor, float]:
+    """The oracle's scores for one row in `mode`, and their fp32 bound: the logits' own bound, times
+    what processing multiplies logits by (1/temperature, the repetition penalty), doubled for
+    logprobs (log-softmax subtracts a log-sum-exp whose error is at most the largest logit error)."""
+    raw = mode.startswith("raw")
+    scores = row if raw else hf_processed(row, params, history)
+    gain = 1.0 if raw else max(1.0, params.repetition_penalty) / min(1.0, params.temperature or 1.0)
+    tol = fp32_tol(row.abs().max()) * gain * (2 if mode.endswith("logprobs") else 1)
+    return (torch.log_softmax(scores, -1) if mode.endswith("logprobs") else scores), tol
 
 
-def assert_entry_matches(entry: dict, ref: torch.Tensor, chosen: int, k: int) -> None:
+def assert_entry_matches(entry: dict, ref: torch.Tensor, chosen: int, k: int, tol: float) -> None:
     assert chosen in entry
     assert len(entry) in (k, k + 1)
     for tok, lp in entry.items():
@@ -49,15 +55,22 @@ def assert_entry_matches(entry: dict, ref: torch.Tensor, chosen: int, k: int) ->
         if want == float("-inf"):
             assert lp.logprob == float("-inf")
         else:
-            assert abs(lp.logprob - want) < TOL, (tok, lp.logprob, want)
-    # The sampled token's rank counts entries scoring >= it, on the returned scores.
-    assert entry[chosen].rank == int((ref >= ref[chosen]).sum())
+            assert abs(lp.logprob - want) <= tol, (tok, lp.logprob, want, tol)
+    # The sampled token's rank counts entries scoring >= it; an entry within the bound of the
+    # chosen one may fall on either side on another machine.
+    assert rank_bounds(ref, chosen, tol)[0] <= entry[chosen].rank <= rank_bounds(ref, chosen, tol)[1]
     # The alternatives are the top k by score.
     top = set(torch.topk(ref, k).indices.tolist()) if k else set()
     alts = {t for t in entry if t != chosen} | ({chosen} if len(entry) == k else set())
     top_vals = sorted((ref[t].item() for t in top), reverse=True)
     alt_vals = sorted((ref[t].item() for t in alts), reverse=True)
-    assert alt_vals == pytest.approx(top_vals, abs=TOL)
+    assert alt_vals == pytest.approx(top_vals, abs=tol)
+
+
+def rank_bounds(ref: torch.Tensor, token: int, tol: float) -> tuple[int, int]:
+    """The rank of `token` (1 + entries scoring above it) allowing every near-tie either way."""
+    value = ref[token]
+    return int((ref > value + 2 * tol).sum()) + 1, int((ref >= value - 2 * tol).sum())
 
 
 CASES = [
@@ -85,16 +98,16 @@ def test_every_mode_matches_hf(llm, oracle, mode):
         rows = hf_rows(oracle, prompt, c.token_ids)
         for j, tok in enumerate(c.token_ids):
             history = prompt + c.token_ids[:j]
-            ref = reference_scores(rows[len(prompt) - 1 + j], p, history, mode)
-            assert_entry_matches(c.logprobs[j], ref, tok, p.logprobs)
+            ref, tol = reference_scores(rows[len(prompt) - 1 + j], p, history, mode)
+            assert_entry_matches(c.logprobs[j], ref, tok, p.logprobs, tol)
         if p.prompt_logprobs is not None:
             assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
             # Prompt positions: only the position-independent processors apply.
             pos_params = p.clone()
             pos_params.repetition_penalty = 1.0
             for i in range(1, len(prompt)):
-                ref = reference_scores(rows[i - 1], pos_params, [], mode)
-                assert_entry_matches(out.prompt_logprobs[i], ref, prompt[i], p.prompt_logprobs)
+                ref, tol = reference_scores(rows[i - 1], pos_params, [], mode)
+                assert_entry_matches(out.prompt_logprobs[i], ref, prompt[i], p.prompt_logprobs, tol)
         if mode.endswith("logprobs"):
             assert c.cumulative_logprob == pytest.approx(sum(c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)), abs=1e-4)
 
@@ -110,8 +123,8 @@ def test_mixed_modes_in_one_batch(llm, oracle):
         c = out.outputs[0]
         rows = hf_rows(oracle, prompt, c.token_ids)
         for j, tok in enumerate(c.token_ids):
-            ref = reference_scores(rows[len(prompt) - 1 + j], p, prompt + c.token_ids[:j], p.logprobs_mode.value)
-            assert_entry_matches(c.logprobs[j], ref, tok, p.logprobs)
+            ref, tol = reference_scores(rows[len(prompt) - 1 + j], p, prompt + c.token_ids[:j], p.logprobs_mode.value)
+            assert_entry_matches(c.logprobs[j], ref, tok, p.logprobs, tol)
 
 
 def test_engine_default_mode_and_per_request_override(tiny_llama):
@@ -157,15 +170,15 @@ def test_custom_token_ids_mixed_with_topk(llm, oracle):
         c = out.outputs[0]
         rows = hf_rows(oracle, prompt, c.token_ids)
         for j, tok in enumerate(c.token_ids):
-            ref = torch.log_softmax(rows[len(prompt) - 1 + j], -1)
+            ref, tol = reference_scores(rows[len(prompt) - 1 + j], p, [], "raw_logprobs")
             entry = c.logprobs[j]
             if p.logprob_token_ids:
                 assert set(entry) == set(custom) | {tok}
                 for t in custom:
-                    assert abs(entry[t].logprob - ref[t].item()) < TOL
+                    assert abs(entry[t].logprob - ref[t].item()) <= tol
             else:
                 # The top-k rows of the other requests stay correct (never -inf).
-                assert_entry_matches(entry, ref, tok, p.logprobs)
+                assert_entry_matches(entry, ref, tok, p.logprobs, tol)
 
 
 def test_prompt_logprobs_identical_with_chunking_and_preemption(tiny_llama):
@@ -190,6 +203,8 @@ def test_prompt_logprobs_identical_with_chunking_and_preemption(tiny_llama):
                 assert all(abs(ea[t].logprob - eo[t].logprob) < 1e-5 and ea[t].rank == eo[t].rank for t in ea)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "glibc" not in " ".join(platform.libc_ver()),
+                    reason="reads /proc and relies on glibc's MALLOC_MMAP_THRESHOLD_ to return freed memory")
 def test_prompt_logprobs_memory_is_bounded(tmp_path):
     """prompt_logprobs=20 on a 4096-token prompt over a 49k vocab stays within 64 MiB of the run
     without prompt logprobs: rows are scored in bounded chunks, never [4096, V] at once.
@@ -203,6 +218,8 @@ def test_prompt_logprobs_memory_is_bounded(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     peaks = json.loads(res.stdout.strip().splitlines()[-1])
+    if "skip" in peaks:
+        pytest.skip(peaks["skip"])
     # A single [4096, 49152] fp32 logits tensor alone would be 768 MiB.
     for mode in ("raw_logprobs", "processed_logprobs"):
         extra = peaks[mode] - peaks["without"]
@@ -260,20 +277,24 @@ def test_cat_with_device_boundaries():
 
 @pytest.mark.slow
 def test_smollm2_raw_logprobs_match_hf(smollm2_llm, smollm2_hf):
-    """Sampled-token and prompt-token raw logprobs on the bundled model, within 1e-3."""
+    """Sampled-token and prompt-token raw logprobs on the bundled model, within the fp32 bound of
+    each row's logits (about 1.3e-3 on rows whose largest logit is 31)."""
     tok = smollm2_llm.get_tokenizer()
     prompt = tok.encode("The quick brown fox jumps over the lazy dog. Then it")
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=5, prompt_logprobs=5, ignore_eos=True)
     out = smollm2_llm.generate([prompt], params, use_tqdm=False)[0]
     c = out.outputs[0]
     with torch.no_grad():
-        ref = torch.log_softmax(smollm2_hf(torch.tensor([prompt + c.token_ids])).logits[0].float(), -1)
+        logits = smollm2_hf(torch.tensor([prompt + c.token_ids])).logits[0].float()
+    entries = [(len(prompt) - 1 + j, e) for j, e in enumerate(c.logprobs)]
+    entries += [(i - 1, out.prompt_logprobs[i]) for i in range(1, len(prompt))]
     worst = 0.0
+    for row, entry in entries:
+        ref, tol = reference_scores(logits[row], params, [], "raw_logprobs")
+        for tok_id, lp in entry.items():
+            worst = max(worst, abs(lp.logprob - ref[tok_id].item()) / tol)
     for j, t in enumerate(c.token_ids):
-        for tok_id, lp in c.logprobs[j].items():
-            worst = max(worst, abs(lp.logprob - ref[len(prompt) - 1 + j, tok_id].item()))
-        assert c.logprobs[j][t].rank == int((ref[len(prompt) - 1 + j] >= ref[len(prompt) - 1 + j, t]).sum())
-    for i in range(1, len(prompt)):
-        for tok_id, lp in out.prompt_logprobs[i].items():
-            worst = max(worst, abs(lp.logprob - ref[i - 1, tok_id].item()))
-    assert worst < 1e-3
+        ref, tol = reference_scores(logits[len(prompt) - 1 + j], params, [], "raw_logprobs")
+        lo, hi = rank_bounds(ref, t, tol)
+        assert lo <= c.logprobs[j][t].rank <= hi
+    assert worst <= 1.0, f"worst |diff| is {worst:.2f}x the fp32 bound"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, hf_model, make_tiny_checkpoint
+from conftest import FP32_ATOL, FP32_RTOL, TINY_VOCAB, assert_close_to_oracle, hf_model, make_tiny_checkpoint
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import ModelNotFoundError, load_checkpoint, load_tokenizer
@@ -42,8 +42,7 @@ def test_prefill_and_decode_logits_match_hf(tiny_checkpoints, arch):
     ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     # One prefill chunk, a second chunk attending to the first through the cache, then decode steps.
     ours = run_ours(path, ids, [17, 19, 1, 1, 1, 1])
-    ref = hf_logits(path, ids)
-    assert (ours - ref).abs().max().item() < 1e-4
+    assert_close_to_oracle(ours, hf_logits(path, ids))
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
@@ -56,7 +55,7 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
     assert cfg.tie_word_embeddings and cfg.rope_scaling["rope_type"] == "llama3"
     ids = torch.randint(0, TINY_VOCAB, (150,), generator=torch.Generator().manual_seed(2)).tolist()
     ours = run_ours(path, ids, [100, 50])
-    assert (ours - hf_logits(path, ids)).abs().max().item() < 1e-4
+    assert_close_to_oracle(ours, hf_logits(path, ids))
 
 
 def test_bfloat16_close_to_fp32(tiny_llama):
@@ -83,5 +82,9 @@ def test_smollm2_gguf_logits_match_hf(smollm2_path, smollm2_hf):
     ours = run_ours(smollm2_path, ids, [len(ids) - 3, 1, 1, 1])
     with torch.no_grad():
         ref = smollm2_hf(torch.tensor([ids])).logits[0].float()
-    assert (ours - ref).abs().max().item() < 1e-4  # measured 4.6e-5 on logits up to |31|
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    # Measured: max |diff| 4.6e-5 on a Xeon, 1.17e-4 on an EPYC, on logits up to |31| (bound ~6e-4).
+    assert_close_to_oracle(ours, ref)
+    # The argmax is equal wherever the top two are not within the bound of each other.
+    top2 = ref.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (FP32_ATOL + FP32_RTOL * ref.abs().amax(-1))
+    assert clear.any() and torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])

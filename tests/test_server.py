@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from conftest import SMOLLM2_LOGPROB_TOL
 from server_utils import ServerProcess, sse_events
 from verispec import SamplingParams
 
@@ -40,8 +41,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def spec_server():
-    """Speculation on (adaptive verification, its cost profiled at start-up), no API key; the last
-    test kills its engine core."""
+    """Speculation on (adaptive verification, its cost profiled at start-up), no API key."""
     srv = ServerProcess("--speculative-config",
                         '{"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": true}')
     yield srv
@@ -50,8 +50,8 @@ def spec_server():
 
 def _assert_same_entry(http_value: float, engine_value: float) -> None:
     # Usually bit-identical; two processes running the same matmuls have been seen to differ by
-    # 6e-5 (CPU kernel reduction order), so the DESIGN's 1e-4 logprob tolerance is the bound.
-    assert abs(http_value - engine_value) <= 1e-4, (http_value, engine_value)
+    # 6e-5 (CPU kernel reduction order), so the fp32 bound for SmolLM2's logprobs applies.
+    assert abs(http_value - engine_value) <= SMOLLM2_LOGPROB_TOL, (http_value, engine_value)
 
 
 # ------------------------------------------------------------------------------------------ chat
@@ -304,11 +304,23 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_non_stream_disconnect_aborts(server):
-    with pytest.raises(requests.exceptions.ReadTimeout):
+    aborted = _count(server, "verispec:request_success_total", 'finished_reason="abort"')
+    try:
         server.post("/v1/completions", {"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True},
                     timeout=1.5)
+    except requests.exceptions.ReadTimeout:
+        pass
+    else:  # timing: this machine wrote 3000 tokens in 1.5 s, so the client never left mid-request
+        pytest.skip("3000 tokens took under 1.5 s here: no disconnect happened")
     m = server.wait_idle()
     assert m["verispec:kv_cache_blocks_free"] == m["verispec:kv_cache_blocks_total"]
+    assert _count(server, "verispec:request_success_total", 'finished_reason="abort"') == aborted + 1
+
+
+def _count(server, name: str, label: str) -> float:
+    """The value of the /metrics sample `name` that carries `label` (0 when absent)."""
+    lines = [line for line in server.get("/metrics").text.splitlines() if line.startswith(name + "{") and label in line]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
 
 # ------------------------------------------------------------------------ README, speculation, death
@@ -349,17 +361,21 @@ def test_speculative_server_gives_the_same_greedy_text(server, spec_server):
         "verispec:spec_decode_num_draft_tokens_total"]
 
 
-def test_dead_engine_core_gives_503(spec_server):
-    pid = spec_server.get("/health").json()["engine_core_pid"]
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while spec_server.get("/health").status_code == 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert spec_server.get("/health").status_code == 503
-    r = spec_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 503 and r.headers.get("retry-after")
-    assert r.json()["error"]["code"] == 503
-    assert spec_server.metrics()["verispec:engine_core_alive"] == 0
+def test_dead_engine_core_gives_503():
+    doomed = ServerProcess("--max-model-len", "256")  # its own server: the test kills its core
+    try:
+        pid = doomed.get("/health").json()["engine_core_pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while doomed.get("/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert doomed.get("/health").status_code == 503
+        r = doomed.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers.get("retry-after")
+        assert r.json()["error"]["code"] == 503
+        assert doomed.metrics()["verispec:engine_core_alive"] == 0
+    finally:
+        doomed.stop()
 
 
 def test_metrics_label_per_position_and_per_capacity_counters():
