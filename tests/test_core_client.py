@@ -16,7 +16,7 @@ import zmq
 from verispec import LLM, SamplingParams
 from verispec.engine.core import EngineCore, params_to_wire
 from verispec.engine.core_client import AsyncEngineClient
-from verispec.engine.core_protocol import AddRequest, Shutdown
+from verispec.engine.core_protocol import AddRequest, CompletionDelta, CoreOutputs, RequestDelta, Shutdown
 
 GOOD = dict(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -108,3 +108,19 @@ def test_the_core_refuses_an_undecodable_add_alone(tiny_llama):
     assert sorted(engine.request_ids()) == ["a", "c"]
     # Nothing readable at all: nothing to answer, and the core keeps running.
     assert core.receive(b"\xc1") == ([], True)
+
+
+def test_the_core_fails_an_unencodable_output_alone(tiny_llama):
+    class Sink:
+        def send(self, payload, copy=True):
+            sent.append(bytes(payload))
+
+    sent: list[bytes] = []
+    core = EngineCore(LLM(tiny_llama).engine, None, Sink())
+    ok = RequestDelta("ok", [CompletionDelta(0, [7], "x")], False)
+    bad = RequestDelta("bad", [CompletionDelta(0, [2**70], "y")], True)  # msgpack has no such integer
+    core.send([ok, bad])
+    msg = msgspec.msgpack.Decoder(CoreOutputs).decode(sent[0])
+    by_id = {d.request_id: d for d in msg.deltas}
+    assert by_id["ok"] == ok
+    assert by_id["bad"].finished and "could not be sent" in by_id["bad"].error

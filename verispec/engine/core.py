@@ -19,7 +19,7 @@ import zmq
 from verispec.config import EngineConfig
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady, EngineStats,
-    LogprobRow, RequestDelta, Shutdown,
+    LogprobRow, RequestDelta, Shutdown, split_encodable,
 )
 from verispec.outputs import Logprob, RequestOutput
 from verispec.sampling_params import SamplingParams
@@ -153,21 +153,16 @@ class EngineCore:
         try:
             payload = self.encoder.encode(CoreOutputs(deltas, stats))
         except Exception:  # noqa: BLE001 - a delta that cannot be encoded fails its request alone
-            deltas = [self._encodable(d) for d in deltas]
+            deltas, failed = split_encodable(self.encoder, deltas)
+            for delta, exc in failed:
+                logger.error("output of %s cannot be encoded: %s", delta.request_id, exc)
+                if not delta.finished:
+                    self.engine.abort_request(delta.request_id)
+                    self.tracker.forget(delta.request_id)
+                deltas.append(RequestDelta(delta.request_id, [], True, error=f"the output could not be sent: {exc}",
+                                           error_kind="internal"))
             payload = self.encoder.encode(CoreOutputs(deltas, stats))
         self.out_sock.send(payload, copy=False)
-
-    def _encodable(self, delta: RequestDelta) -> RequestDelta:
-        try:
-            self.encoder.encode(delta)
-            return delta
-        except Exception as exc:  # noqa: BLE001
-            logger.error("output of %s cannot be encoded: %s", delta.request_id, exc)
-            if not delta.finished:
-                self.engine.abort_request(delta.request_id)
-                self.tracker.forget(delta.request_id)
-            return RequestDelta(delta.request_id, [], True, error=f"the output could not be sent: {exc}",
-                                error_kind="internal")
 
     def receive(self, data: bytes) -> tuple[list[RequestDelta], bool]:
         """Decodes and applies one input. An input that does not decode refuses the requests it

@@ -23,6 +23,7 @@ from verispec.config import EngineConfig
 from verispec.engine.core import params_to_wire, run_engine_core
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, CoreFailed, CoreMessage, CoreOutputs, CoreReady, EngineStats, RequestDelta, Shutdown,
+    split_encodable,
 )
 from verispec.sampling_params import SamplingParams
 
@@ -152,13 +153,9 @@ class AsyncEngineClient:
         try:
             payload = self._encoder.encode(adds[0] if len(adds) == 1 else AddRequests(adds))
         except Exception:  # noqa: BLE001 - some add cannot be encoded: it fails alone, the rest go
-            sendable = []
-            for add in adds:
-                try:
-                    self._encoder.encode(add)
-                    sendable.append(add)
-                except Exception as exc:  # noqa: BLE001
-                    self._fail(add.request_id, f"the request could not be sent to the engine: {exc}")
+            sendable, failed = split_encodable(self._encoder, adds)
+            for add, exc in failed:
+                self._fail(add.request_id, f"the request could not be sent to the engine: {exc}")
             if not sendable:
                 return
             payload = self._encoder.encode(sendable[0] if len(sendable) == 1 else AddRequests(sendable))
@@ -220,7 +217,7 @@ class AsyncEngineClient:
             ids = list(self._queues)
         for rid in ids:
             self._fail(rid, f"the engine's output for this request could not be read: {exc}")
-            self.abort([rid])
+        self.abort(ids)
 
     async def _watchdog(self) -> None:
         while self._proc.is_alive():

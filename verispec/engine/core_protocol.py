@@ -112,3 +112,16 @@ class CoreFailed(msgspec.Struct, tag="failed"):
 
 
 CoreMessage = CoreOutputs | CoreReady | CoreFailed
+
+
+def split_encodable(encoder: msgspec.msgpack.Encoder, items: list) -> tuple[list, list[tuple[Any, Exception]]]:
+    """For a message that failed to encode: its parts that encode alone, and (part, error) for the
+    others, so each side fails only the requests whose own data cannot cross."""
+    good, bad = [], []
+    for item in items:
+        try:
+            encoder.encode(item)
+            good.append(item)
+        except Exception as exc:  # noqa: BLE001 - msgspec raises OverflowError, TypeError, ...
+            bad.append((item, exc))
+    return good, bad
