@@ -10,6 +10,7 @@ Every figure a test measures is printed (run with -s to see it) and collected in
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import json
 import random
 import threading
@@ -18,7 +19,9 @@ import time
 import pytest
 import requests
 import schemathesis
+from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 from schemathesis.checks import (
     content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance,
@@ -259,26 +262,31 @@ def test_fuzz_v1_routes(pressured):
     matter; one test, so the summary holds whatever the order or the worker."""
     schema = schemathesis.openapi.from_url(pressured.url + "/openapi.json").include(path_regex=FUZZ_ROUTES)
     operations = [result.ok() for result in schema.get_all_operations()]
-    stats = {"cases": 0, "5xx": 0, "by_status": {}, "by_route": {}}
+    stats = {"cases": 0, "5xx": 0, "by_status": {}, "by_route": {}, "by_mode": {}}
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-    for op in operations:
+    for op, mode in itertools.product(operations, GenerationMode):  # bodies that fit the schema, and that break it
         @settings(max_examples=examples(40), deadline=None, suppress_health_check=list(HealthCheck),
                   database=None)
-        @given(case=op.as_strategy())
+        @given(case=op.as_strategy(generation_mode=mode))
         def fuzz_route(case):
             response = case.call(timeout=120)
             stats["cases"] += 1
             stats["5xx"] += response.status_code >= 500
             stats["by_status"][response.status_code] = stats["by_status"].get(response.status_code, 0) + 1
             stats["by_route"][op.label] = stats["by_route"].get(op.label, 0) + 1
+            stats["by_mode"][mode.value] = stats["by_mode"].get(mode.value, 0) + 1
             case.validate_response(response, checks=checks)
 
-        fuzz_route()
+        try:
+            fuzz_route()
+        except Unsatisfiable:  # a route with no parameters and no body has nothing to break
+            assert mode is GenerationMode.NEGATIVE and op.method.upper() == "GET", op.label
     print(f"\n[reliability] fuzz: {json.dumps(stats, sort_keys=True)}")
     routes = {op.label for op in operations}
     assert routes == {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
                       "POST /detokenize", "GET /tokenizer_info"}
     assert set(stats["by_route"]) == routes and min(stats["by_route"].values()) >= 1
+    assert set(stats["by_mode"]) == {m.value for m in GenerationMode}
     assert stats["5xx"] == 0
     assert pressured.get("/health").status_code == 200
     m = pressured.wait_idle(timeout=120)

@@ -155,8 +155,11 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
     errors = {status: {"model": ErrorResponse} for status in (400, 401, 413, 503)}
-    # With "stream": true the answer is server-sent events, not JSON.
-    streams = {**errors, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    # With "stream": true the answer is server-sent events, not JSON. Before OpenAPI 3.2 (FastAPI
+    # writes 3.1) an event stream's `schema` describes one event: its `data` is a JSON chunk or [DONE].
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+    streams = {**errors, 200: {"content": {"text/event-stream": {"schema": event}}}}
 
     async def generate(request: Request, body, stream_fn, create_fn):
         ctx = _ctx(request)
