@@ -201,6 +201,26 @@ def test_limits_answer_400_413(pressured):
     assert chunked.status_code == 413
 
 
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**63}, "top_k"),  # once a 500 from inside the step
+    ("/v1/completions", {"prompt": "hi", "seed": 99999999999999999999999}, "seed"),  # once a hang for all
+    ("/v1/completions", {"prompt": "\ud800 broken"}, "prompt"),  # once a 500 from the tokenizer
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ("/v1/completions", {"prompt": [5, 2**64]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(2**64): 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-(2**63) - 1]}, "stop_token_ids"),
+])
+def test_out_of_range_input_is_a_400_naming_the_field_and_spares_its_neighbours(pressured, route, body, param):
+    good = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    with cf.ThreadPoolExecutor(3) as pool:  # the bad request among valid ones sent at the same moment
+        bad = pool.submit(pressured.post, route, {"max_tokens": 2, **body}, timeout=60)
+        fine = [pool.submit(pressured.post, "/v1/completions", good, timeout=60) for _ in range(2)]
+        bad, fine = bad.result(), [f.result() for f in fine]
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == param and param in bad.json()["error"]["message"]
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4 for r in fine)
+
+
 def test_full_queue_answers_503_with_retry_after(pressured):
     statuses, sent, done, lock = [], [], [], threading.Lock()
 
@@ -299,8 +319,13 @@ _FLOATS = st.floats(allow_nan=True, allow_infinity=True)
 # Any code point, lone surrogates included (JSON carries them as "\udXXX" escapes).
 _TEXT = st.text(st.characters(codec=None, categories=["L", "N", "P", "Zs", "Cs", "So"]), max_size=6)
 _LEAF = st.one_of(st.none(), st.booleans(), _INTS, _FLOATS, _TEXT)
-_VALUE = st.recursive(_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                      st.dictionaries(_TEXT, inner, max_size=3)), max_leaves=12)
+
+
+def _nest(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(st.lists(inner, max_size=3), st.dictionaries(_TEXT, inner, max_size=3))
+
+
+_VALUE = st.recursive(_LEAF, _nest, max_leaves=12)
 _HTTP_FIELDS = [
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids",
     "logit_bias", "allowed_token_ids", "bad_words", "logprobs", "top_logprobs", "prompt_logprobs",
