@@ -162,7 +162,7 @@ def assert_greedy_matches_hf(model, prompts: list[list[int]], ours: list[list[in
 
 
 def hf_processed(row: torch.Tensor, params, history: list[int]) -> torch.Tensor:
-    """HF's processors in DESIGN.md's order: penalty, temperature, min_p, top_k, top_p."""
+    """HF's processors in the engine's order: penalty, temperature, min_p, top_k, top_p."""
     from transformers.generation.logits_process import (
         MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
         TopPLogitsWarper,

@@ -4,7 +4,6 @@ equal to unchunked, and the output distribution by chi-square."""
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest

@@ -1,7 +1,7 @@
 """The logits processor chain, the sampler and logprob scoring, against independent references.
 
 The reference for repetition penalty, temperature, min_p, top_k and top_p is transformers' own
-logits processors/warpers, applied per row in the order of DESIGN.md section 4.
+logits processors/warpers, applied per row in the engine's order.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def assert_same_masked_close(actual: torch.Tensor, expected: torch.Tensor, tol: 
 
 # ---------------------------------------------------------------- HF reference
 def hf_reference_row(logits_row: torch.Tensor, row: RowSpec) -> torch.Tensor:
-    """One row through transformers' processors, in DESIGN.md section 4 order (stages 5-8)."""
+    """One row through transformers' processors, in the engine's order (stages 5-8)."""
     return hf_processed(logits_row, row.params, row.prompt_ids + row.output_ids)
 
 
@@ -256,7 +256,7 @@ def test_bad_words_single_and_multi_token():
 
 
 def test_position_independent_rows_skip_history_stages():
-    """Prompt rows: allowed ids, logit_bias, temperature, min_p, top-k/top-p only (DESIGN.md section 4)."""
+    """Prompt rows: allowed ids, logit_bias, temperature, min_p, top-k/top-p only."""
     vocab = 100
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(8)) * 2
     p = SamplingParams(

@@ -4,25 +4,53 @@ the output distribution by chi-square, and block accounting after many rejection
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import hf_model, hf_processed, make_tiny_checkpoint, random_prompts
 from verispec import LLM, SamplingParams
+from verispec.config import LogprobsMode
+from verispec.sample.metadata import RowSpec
 from verispec.sample.noise import RequestNoise
 from verispec.spec_decode import rejection
 from verispec.spec_decode.ngram import propose_ngram
-from verispec.spec_decode.rejection import verify
+from verispec.spec_decode.verify_batch import VerifyRequest, verify_batch
 
 NEG = float("-inf")
 
 
 # ------------------------------------------------------------------------------ the verifier
+class RowsAsLogits:
+    """A model stand-in for `verify_batch`: the hidden rows are the logits themselves."""
+
+    @staticmethod
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+
+def row_spec(params: SamplingParams, output_ids: list[int], noise: RequestNoise | None) -> RowSpec:
+    """A row with an empty prompt: it emits sequence position len(output_ids)."""
+    return RowSpec(params=params, prompt_ids=[], output_ids=output_ids, noise=noise, stop_ids=frozenset(),
+                   mode=LogprobsMode.RAW_LOGPROBS, num_logprobs=None)
+
+
 def run_verify(logits, drafts, num_drafts, q=None, greedy=False, seed=0):
-    r = logits.shape[0]
-    noise = [None if greedy else RequestNoise(seed + i) for i in range(r)]
-    return verify(logits, torch.tensor(drafts), list(num_drafts), q, [q is not None] * r, noise, [0] * r)
+    """The engine's verifier (`verify_batch`) on hand-built rows: request i's candidate rows are
+    logits[i, :num_drafts[i] + 1], row j emitting sequence position j; q[i, j] is draft j's q."""
+    params = SamplingParams(temperature=0.0 if greedy else 1.0)
+    reqs, hidden = [], []
+    for i, d in enumerate(num_drafts):
+        noise = None if greedy else RequestNoise(seed + i)
+        rows = [row_spec(params, list(drafts[i][:j]), noise) for j in range(d + 1)]
+        reqs.append(VerifyRequest(
+            rows=rows, first_flat_row=sum(len(x) for x in hidden), host_drafts=list(drafts[i][:d]),
+            device_drafts=None, q=q[i, :d] if q is not None and d else None, confidence=None, host_scores=None,
+        ))
+        hidden.append(logits[i, : d + 1])
+    out = verify_batch(RowsAsLogits(), torch.cat(hidden), reqs, logits.shape[-1], budget=None, max_rows=None)
+    return SimpleNamespace(sampled=out.sampled, num_sampled=out.num_sampled, num_accepted=out.num_sampled - 1)
 
 
 def peaked(rows: list[int], vocab: int = 8) -> torch.Tensor:
@@ -47,6 +75,24 @@ def test_padding_drafts_are_ignored():
     logits = torch.stack([peaked([3, 4, 5, 6]), peaked([1, 2, 0, 0])])
     out = run_verify(logits, [[3, 4, 5], [1, 0, 0]], [3, 1], greedy=True)
     assert out.sampled.tolist() == [[3, 4, 5, 6], [1, 2, -1, -1]]
+
+
+def test_zero_drafts_is_plain_sampling():
+    """A request without drafts is a request with zero drafts: its one row is sampled as plain
+    sampling would sample it, greedy or seeded, next to requests that do verify drafts."""
+    from verispec.sample.metadata import SamplingMetadata
+    from verispec.sample.sampler import sample
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 4, 32, generator=g)
+    for greedy in (True, False):
+        out = run_verify(logits, [[], [5, 6], [], [1, 2, 3]], [0, 2, 0, 3], greedy=greedy, seed=40)
+        for i in (0, 2):
+            assert out.num_sampled[i].item() == 1 and out.sampled[i, 1:].tolist() == [-1, -1, -1]
+            params = SamplingParams(temperature=0.0 if greedy else 1.0)
+            spec = row_spec(params, [], None if greedy else RequestNoise(40 + i))
+            plain = sample(logits[i, :1], SamplingMetadata.build([spec], 32, torch.device("cpu")))
+            assert out.sampled[i, 0].item() == plain.item()
 
 
 def test_random_accepts_everything_when_q_equals_p_and_adds_bonus():

@@ -13,7 +13,8 @@ import torch
 
 
 class LogprobsMode(str, enum.Enum):
-    """Which scores a request's logprobs report (DESIGN.md section 4)."""
+    """Which scores a request's logprobs report: the model's raw scores or the processed ones (after
+    the request's processors), each as logprobs or as logits."""
 
     RAW_LOGPROBS = "raw_logprobs"
     RAW_LOGITS = "raw_logits"

@@ -1,7 +1,7 @@
 """Host values to the device without synchronising.
 
 A CUDA copy from pageable host memory waits for the stream (and fails under
-`torch.cuda.set_sync_debug_mode("error")`, which the step must pass: DESIGN.md section 2). Staging
+`torch.cuda.set_sync_debug_mode("error")`, which the step must pass). Staging
 the values in pinned memory and copying with non_blocking=True queues the copy instead; the
 caching host allocator keeps the staging buffer alive until the copy has run. On the CPU the
 tensor is simply built in place.

@@ -1,12 +1,12 @@
 """Outputs: the user-facing, vLLM-shaped results and the device-side logprobs contract.
 
 `LogprobsTensors` stays on the device until the step's single D2H copy; `LogprobsLists` is its host
-twin. Both are unpacked by field name, never by position (DESIGN.md section 3).
+twin. Both are unpacked by field name, never by position.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: dict[str, Any] = field(default_factory=dict)
     # Set when the request failed inside the engine (its outputs stop where it failed).
     error: str | None = None
 
@@ -152,10 +151,3 @@ class LogprobsTensors:
         elif any(h is not None for h in host) or any(d is not None for d in dev):
             raise ValueError("cannot cat chunks that mix boundary kinds")
         return LogprobsTensors(ids, lps, ranks, cu_list, cu_tensor)
-
-    def filter(self, rows: torch.Tensor | list[int]) -> "LogprobsTensors":
-        """Keeps the given rows (boundaries are dropped: the caller re-derives them)."""
-        index = torch.as_tensor(rows, dtype=torch.long, device=self.logprobs.device)
-        return LogprobsTensors(
-            self.logprob_token_ids[index], self.logprobs[index], self.selected_token_ranks[index]
-        )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import traceback
@@ -74,7 +73,6 @@ class LLMEngine:
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
-        self._arrival = itertools.count()
         self.num_steps = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens if config.speculative else 0)
@@ -157,7 +155,6 @@ class LLMEngine:
                 noise=RequestNoise(base_seed if i == 0 else f"{base_seed}:{i}"),
                 stop_ids=stop_ids,
                 max_tokens=max_tokens,
-                arrival=next(self._arrival),
                 logprobs=[] if wants_logprobs else None,
                 # Every child shares the prompt: only the first one scores it.
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,

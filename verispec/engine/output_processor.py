@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
+from tokenizers.decoders import DecodeStream
 
 from verispec.engine.request import Request, RequestStatus
 from verispec.outputs import CompletionOutput, Logprob, LogprobsLists
 
-# Incomplete UTF-8 at the end of a decode shows as U+FFFD; such text is held back a step.
-_REPLACEMENT = "\ufffd"
+
+@dataclass(slots=True)
+class IncrementalText:
+    """A request's output text, decoded a token at a time by the tokenizers library's DecodeStream:
+    constant work per token instead of re-decoding the whole output every step. A token that ends
+    inside a UTF-8 character is held back (`pending`) until a later one completes it."""
+
+    stream: DecodeStream
+    text: str = ""
+    pending: list[int] = field(default_factory=list)
+
+    def push(self, backend, token_id: int) -> None:
+        chunk = self.stream.step(backend, token_id)
+        if chunk is None:
+            self.pending.append(token_id)
+        else:
+            self.text += chunk
+            self.pending.clear()
 
 
 class OutputProcessor:
@@ -16,6 +35,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._token_text: dict[int, str] = {}
+        # The Rust tokenizer under a fast HF tokenizer: what DecodeStream steps with.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
 
     # ------------------------------------------------------------------ text
     def token_text(self, token_id: int) -> str | None:
@@ -71,7 +92,8 @@ class OutputProcessor:
             if tok in req.stop_ids and n_out > p.min_tokens:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = None if tok not in (p.stop_token_ids or []) else tok
-                break
+                break  # the stop token itself is not part of the text
+            self._detokenize(req, tok)
             if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 req.status = RequestStatus.FINISHED_LENGTH
                 break
@@ -85,15 +107,26 @@ class OutputProcessor:
         req.prompt_logprobs.extend(self.logprob_dicts(lists, n, req.params.prompt_logprobs))
         req.num_prompt_logprob_rows = first + n
 
+    def _detokenize(self, req: Request, token_id: int) -> None:
+        if self._backend is None:
+            return
+        if req.detok is None:
+            req.detok = IncrementalText(DecodeStream(skip_special_tokens=req.params.skip_special_tokens))
+        req.detok.push(self._backend, token_id)
+
     def _update_text(self, req: Request) -> None:
+        if self.tokenizer is None:
+            return
         p = req.params
-        ids = req.output_token_ids
-        if req.status == RequestStatus.FINISHED_STOPPED:
-            ids = ids[:-1]  # the stop token itself is not part of the text
-        text = self.decode(ids, p.skip_special_tokens)
-        if not req.is_finished and text.endswith(_REPLACEMENT):
-            text = text.rstrip(_REPLACEMENT)
-        if p.stop and self.tokenizer is not None:
+        text = req.detok.text if req.detok is not None else ""
+        if self._backend is None or (req.is_finished and req.detok is not None and req.detok.pending):
+            # No Rust tokenizer to stream with, or an output ending inside a character (whose bytes
+            # the full decode shows as U+FFFD): decode the whole output once.
+            ids = req.output_token_ids[:-1] if req.status == RequestStatus.FINISHED_STOPPED else req.output_token_ids
+            text = self.decode(ids, p.skip_special_tokens)
+            if not req.is_finished:
+                text = text.rstrip("\ufffd")  # incomplete UTF-8 is held back while the request runs
+        if p.stop:
             hit = self._find_stop(text, p.stop, len(req.output_text))
             if hit is not None:
                 pos, stop = hit

@@ -34,7 +34,6 @@ class Request:
     noise: RequestNoise  # position-keyed random draws (sample/noise.py)
     stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) + stop_token_ids
     max_tokens: int
-    arrival: int
     # prompt + output tokens; the cache holds the first num_computed_tokens of them
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -42,6 +41,7 @@ class Request:
     num_preemptions: int = 0
     # Output side, filled by the output processor.
     output_text: str = ""
+    detok: Any = None  # output_processor.IncrementalText, once a token has been decoded
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0

@@ -1,6 +1,6 @@
 """The model runner: flat batch in, sampled tokens and logprobs out, with one D2H copy per step.
 
-Steps (DESIGN.md section 2): build the flat batch and the attention metadata on the host, run one
+Steps (docs/design.md, "One step"): build the flat batch and the attention metadata on the host, run one
 forward, compute logits only for the rows that are sampled, process them per request, sample,
 score logprobs in each request's own mode, then copy everything to the host at once and
 synchronise a single time.

@@ -1,4 +1,4 @@
-"""The logits processor chain, in the order of DESIGN.md section 4:
+"""The logits processor chain, in this order (HF transformers applies the same stages alike):
 
 1. allowed_token_ids mask   2. bad words   3. min_tokens (stop ids masked)   4. logit_bias
 5. repetition / presence / frequency penalties   6. temperature (1 for greedy)   7. min_p

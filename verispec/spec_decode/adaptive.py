@@ -1,5 +1,4 @@
-"""Adaptive verification: how many draft tokens a step verifies, and whose (DESIGN.md section 2,
-step 3).
+"""Adaptive verification: how many draft tokens a step verifies, and whose (docs/adaptive.md).
 
 Every drafted slot (request i, position j) gets a survival score s_ij = c_i1 * ... * c_ij, the
 chance that drafts 1..j are all accepted; c is the slot's confidence:
@@ -98,8 +97,8 @@ class CostModel:
     def profile(cls, model, block_size: int, max_tokens: int, device: torch.device) -> "CostModel":
         """Times one forward plus logits over n one-token sequences, n on a doubling grid.
 
-        Runs at start-up, before any request owns a cache block: the dummy tokens write into
-        block 0, which the first real request overwrites.
+        Runs at start-up on a one-block scratch KV cache of its own, so the engine's pool is never
+        touched; the best of a few runs is kept for the small, noisy sizes.
         """
         from verispec.engine.kv_cache import KVCacheTensors
         from verispec.models.attention import SeqSpan, build_attention_metadata

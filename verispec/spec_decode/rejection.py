@@ -19,7 +19,7 @@ distribution p_j after the request's tokens plus drafts 1..j; drafts past num_dr
   rejection emits a draw from norm(max(p - q, 0)); the bonus is the row's race winner. u, the
   residual draw and the race use independent keyed streams (accept / recover / sample).
 
-The work is split in two so that verification can run in chunks of rows (DESIGN.md section 3):
+The work is split in two so that verification can run in chunks of rows:
 `row_outcomes` needs nothing but the row itself (its p, its draft, its q row and its noise), so any
 cut of the rows, even one through a request, gives the same result; `assemble` then finds each
 request's leading run of accepts over all rows at once. Rows are *compact*: request i owns rows
@@ -35,9 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from verispec.device_copy import to_device
-from verispec.sample.noise import RequestNoise, exponential_rows, uniform_values
 
 
 @dataclass(slots=True)
@@ -106,49 +103,3 @@ def assemble(selected: torch.Tensor, accept: torch.Tensor, row_req: torch.Tensor
     keep = torch.arange(width, device=selected.device)[None, :] <= num_accepted[:, None]
     sampled = torch.where(keep, tokens, torch.full_like(tokens, -1))
     return VerifyOutput(sampled=sampled, num_sampled=num_accepted + 1, num_accepted=num_accepted)
-
-
-def _keys(noise: list[RequestNoise | None], first_pos: list[int], counts: list[int], purpose: str,
-          width: int) -> list[int | None]:
-    """Row-major [R, width] keys: row i, column j is position first_pos[i] + j; None past counts[i]
-    (padding) and for greedy requests."""
-    keys: list[int | None] = []
-    for n, pos, c in zip(noise, first_pos, counts):
-        keys.extend(n.key(purpose, pos + j) if n is not None and j < c else None for j in range(width))
-    return keys
-
-
-def verify(
-    target_logits: torch.Tensor,  # [R, K+1, V] processed target logits
-    draft_tokens: torch.Tensor,  # [R, K] int64 (padding: any valid id)
-    num_drafts: list[int],  # [R] host counts
-    draft_probs: torch.Tensor | None,  # [R, K, V] processed draft probabilities; None = all one-hot
-    has_q: list[bool],  # [R] whether request i's drafts come with q rows
-    noise: list[RequestNoise | None],  # [R] None for greedy requests
-    first_pos: list[int],  # [R] sequence position that row 0 emits
-) -> VerifyOutput:
-    """Verification of a padded [R, K+1] layout with host counts: `row_outcomes` on the real rows
-    then `assemble`. The engine builds compact rows itself (spec_decode/verify_batch.py)."""
-    r, k1, vocab = target_logits.shape
-    k = k1 - 1
-    device = target_logits.device
-    rows = [(i, j) for i in range(r) for j in range(num_drafts[i] + 1)]
-    row_req = to_device([i for i, _ in rows], dtype=torch.long, device=device)
-    row_j = to_device([j for _, j in rows], dtype=torch.long, device=device)
-    flat = row_req * k1 + row_j
-    padded_drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(r, 1)], dim=1)
-    greedy = to_device([noise[i] is None for i, _ in rows], dtype=torch.bool, device=device)
-    race = exponential_rows(_keys(noise, first_pos, [c + 1 for c in num_drafts], "sample", k1), vocab, device)
-    q = uses_q = u = recover = None
-    if draft_probs is not None and any(has_q) and k:
-        q_noise = [n if h else None for n, h in zip(noise, has_q)]
-        q = torch.cat([draft_probs, draft_probs.new_zeros(r, 1, vocab)], dim=1).view(-1, vocab)[flat]
-        uses_q = to_device([has_q[i] and noise[i] is not None for i, _ in rows], dtype=torch.bool, device=device)
-        u = uniform_values(_keys(q_noise, first_pos, num_drafts, "accept", k1), device)[flat]
-        recover = exponential_rows(_keys(q_noise, first_pos, num_drafts, "recover", k1), vocab, device)[flat]
-    out = row_outcomes(
-        target_logits.reshape(-1, vocab)[flat], padded_drafts.reshape(-1)[flat],
-        row_j == to_device(num_drafts, dtype=torch.long, device=device)[row_req], greedy,
-        race[flat], q, uses_q, u, recover,
-    )
-    return assemble(out.selected, out.accept, row_req, row_j, r, k1)

@@ -1,0 +1,78 @@
+"""The scheduler on its own: token budget, chunked prefill, admission cap, drafts, preemption."""
+
+from __future__ import annotations
+
+from verispec import SamplingParams
+from verispec.config import LogprobsMode
+from verispec.engine.kv_cache import BlockPool
+from verispec.engine.request import Request, RequestStatus
+from verispec.engine.scheduler import Scheduler
+from verispec.sample.noise import RequestNoise
+
+BLOCK = 4
+
+
+def make_request(rid: str, prompt_len: int) -> Request:
+    return Request(request_id=rid, prompt=None, prompt_token_ids=list(range(3, 3 + prompt_len)),
+                   params=SamplingParams(), logprobs_mode=LogprobsMode.RAW_LOGPROBS, noise=RequestNoise(0),
+                   stop_ids=frozenset(), max_tokens=100)
+
+
+def run_step(sched: Scheduler) -> dict[str, tuple[int, bool, list[int]]]:
+    """Schedules one step and applies it as the engine would (computed tokens advance; a sampled
+    request gets one new token). Returns rid -> (new tokens, samples, drafts)."""
+    out = sched.schedule()
+    for s in out.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+        if s.samples:
+            s.request.token_ids.append(1)
+    return {s.request.request_id: (s.num_new_tokens, s.samples, s.spec_tokens) for s in out.scheduled}
+
+
+def test_chunked_prefill_within_the_budget_running_first():
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = make_request("a", 25), make_request("b", 3)
+    sched.add(a)
+    sched.add(b)
+    assert run_step(sched) == {"a": (10, False, [])}  # a takes the whole budget
+    assert run_step(sched) == {"a": (10, False, [])}
+    assert run_step(sched) == {"a": (5, True, []), "b": (3, True, [])}  # a's last chunk samples; b fills up
+    assert run_step(sched) == {"a": (1, True, []), "b": (1, True, [])}  # decode: one token each
+
+
+def test_admission_stops_at_max_num_seqs():
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=2, max_num_batched_tokens=100)
+    for rid in "abc":
+        sched.add(make_request(rid, 2))
+    assert set(run_step(sched)) == {"a", "b"}
+    assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_drafts_ride_on_decode_steps_only_and_within_the_budget():
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=4)
+    a = make_request("a", 6)
+    a.spec_tokens = [9, 9, 9]
+    sched.add(a)
+    assert run_step(sched)["a"] == (4, False, [])  # prefill: no drafts
+    assert run_step(sched)["a"] == (2, True, [])
+    a.spec_tokens = [7, 8, 9, 10, 11]
+    assert run_step(sched)["a"] == (1, True, [7, 8, 9])  # 1 + 3 drafts fill the budget of 4
+
+
+def test_a_short_pool_preempts_the_latest_admitted_and_admits_nobody():
+    pool = BlockPool(5, BLOCK)  # 20 token slots
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b, c = make_request("a", 8), make_request("b", 8), make_request("c", 2)
+    for r in (a, b):
+        sched.add(r)
+    run_step(sched)  # a and b prefill 8 tokens (2 blocks each) and sample their 9th
+    sched.add(c)
+    # a takes the last free block for its 9th token; b then needs one too: b, the later admitted,
+    # is preempted, and c is not admitted in a step that preempted.
+    out = sched.schedule()
+    assert out.preempted == ["b"] and [s.request.request_id for s in out.scheduled] == ["a"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]  # b goes first when room comes back
+    assert pool.table("b") == [] and sched.num_preemptions == 1
+    sched.finish(a)
+    assert pool.num_free_blocks == pool.num_blocks
