@@ -145,6 +145,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_layers must be an integer >= 1 for method 'layer_skip'")
 
 
+# Defaults shared by EngineConfig, LLM's keyword arguments and the command line.
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Resolved engine options. Built by `LLM` from its keyword arguments."""
@@ -153,8 +158,8 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: torch.device = torch.device("cpu")
     max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = 16
     # Pool size: an explicit block count wins over a byte budget; with neither, the pool holds
     # max_num_seqs full-length sequences, capped by kv_cache_bytes' default below.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from tokenizers.decoders import DecodeStream
@@ -15,19 +15,19 @@ from verispec.outputs import CompletionOutput, Logprob, LogprobsLists
 class IncrementalText:
     """A request's output text, decoded a token at a time by the tokenizers library's DecodeStream:
     constant work per token instead of re-decoding the whole output every step. A token that ends
-    inside a UTF-8 character is held back (`pending`) until a later one completes it."""
+    inside a UTF-8 character is held back until a later one completes it."""
 
     stream: DecodeStream
     text: str = ""
-    pending: list[int] = field(default_factory=list)
+    pending: int = 0  # tokens pushed since the last released text: an unfinished character
 
     def push(self, backend, token_id: int) -> None:
         chunk = self.stream.step(backend, token_id)
         if chunk is None:
-            self.pending.append(token_id)
+            self.pending += 1
         else:
             self.text += chunk
-            self.pending.clear()
+            self.pending = 0
 
 
 class OutputProcessor:

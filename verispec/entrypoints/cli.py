@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: bundled SmolLM2-135M-Instruct)")
@@ -48,8 +50,10 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VERISPEC_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the file name)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step at most")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="tokens per engine step at most")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache pool size in bytes")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine core")

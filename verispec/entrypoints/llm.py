@@ -7,7 +7,9 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from verispec.config import EngineConfig, LogprobsMode, SpeculativeConfig
+from verispec.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig, LogprobsMode, SpeculativeConfig,
+)
 from verispec.engine.llm_engine import LLMEngine
 from verispec.entrypoints.chat_utils import chat_prompt_ids
 from verispec.outputs import RequestOutput
@@ -24,8 +26,8 @@ class LLM:
         dtype: str = "float32",
         device: str = "auto",
         max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
