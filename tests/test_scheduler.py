@@ -76,3 +76,31 @@ def test_a_short_pool_preempts_the_latest_admitted_and_admits_nobody():
     assert pool.table("b") == [] and sched.num_preemptions == 1
     sched.finish(a)
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
+    from verispec.engine.output_processor import OutputProcessor
+    from verispec.engine.runner import StepResult
+    from verispec.spec_decode.metrics import SpecDecodeMetrics
+
+    pool = BlockPool(16, BLOCK)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100, spec_metrics=SpecDecodeMetrics(3))
+    output = OutputProcessor(None, max_model_len=1000)
+    a = make_request("a", 6)
+    sched.add(a)
+    step = sched.schedule()
+    assert sched.update_from_output(step, StepResult(sampled={"a": [50]}), output) == [a]
+    assert a.num_computed_tokens == 6 and a.output_token_ids == [50]
+    a.spec_tokens = [60, 61, 62]
+    step = sched.schedule()  # 1 new token + 3 drafts: 10 tokens, 3 blocks
+    assert len(pool.table("a")) == 3
+    result = StepResult(sampled={"a": [60, 70]}, num_verified={"a": 3}, num_accepted={"a": 1})
+    sched.update_from_output(step, result, output)
+    # The cache keeps 6 + 1 + the accepted draft; the block that held only rejected drafts goes back.
+    assert a.num_computed_tokens == 8 and len(pool.table("a")) == 2
+    assert a.output_token_ids == [50, 60, 70] and a.spec_tokens == []
+    assert sched.spec_metrics.as_dict()["accepted_per_position"] == [1, 0, 0]
+    assert (sched.spec_metrics.num_drafts, sched.spec_metrics.num_draft_tokens) == (1, 3)
+    skipped = sched.schedule()
+    assert sched.update_from_output(skipped, StepResult(sampled={"a": [80]}), output, skip={"a"}) == []
+    assert a.output_token_ids == [50, 60, 70]  # a skipped request takes nothing from the step

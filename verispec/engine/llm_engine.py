@@ -68,20 +68,23 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
 
         self.pool = BlockPool(self._num_blocks(), config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, config, self.pool)
+        spec = config.speculative
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0))
+        self.drafter = make_drafter(spec, self.model, self.tokenizer, config) if spec else None
+        adaptive = self._adaptive_controller(config) if spec is not None and spec.adaptive_verification else None
+        # Model drafters draft inside the step, before the verify forward; prompt lookup drafts after it.
+        in_step = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
+        self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step, adaptive=adaptive)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self.num_steps = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
-        self.spec_metrics = SpecDecodeMetrics(config.speculative.num_speculative_tokens if config.speculative else 0)
-        self.drafter = None
-        if config.speculative:
-            self.drafter = make_drafter(config.speculative, self.model, self.tokenizer, config)
-        self.runner.drafter = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
-        if config.speculative is not None and config.speculative.adaptive_verification:
-            self.runner.adaptive = self._adaptive_controller(config)
+
+    @property
+    def spec_metrics(self) -> SpecDecodeMetrics:
+        return self.scheduler.spec_metrics
 
     def _adaptive_controller(self, config: EngineConfig) -> AdaptiveController:
         spec = config.speculative
@@ -212,43 +215,33 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.num_steps += 1
-        failed: dict[str, str] = {}
-        try:
-            result = self.runner.execute(sched)
-        except Exception as exc:  # noqa: BLE001 - isolated below; one request must not sink the batch
-            result, failed = self._execute_isolated(sched, exc)
-        touched: dict[str, None] = {}
-        for s in sched.scheduled:
-            req = s.request
-            parent_id = self._child_parent[req.request_id]
-            if req.request_id in failed:
-                self._fail(req, failed[req.request_id])
-            if self._parents[parent_id].error is not None:  # a sibling may have failed first
-                touched[parent_id] = None
-                continue
-            req.num_computed_tokens += s.num_new_tokens
-            if s.spec_tokens:
-                accepted = result.num_accepted[req.request_id]
-                self.spec_metrics.observe(result.num_verified.get(req.request_id, len(s.spec_tokens)), accepted)
-                # The cache now holds the accepted drafts; slots of rejected ones go back.
-                req.num_computed_tokens += accepted
-                self.pool.truncate(req.request_id, req.num_computed_tokens)
-            req.clear_drafts()
-            prompt_rows = result.prompt_logprobs.get(req.request_id)
-            if prompt_rows is not None:
-                self.output.append_prompt_logprobs(req, *prompt_rows)
-            tokens = result.sampled.get(req.request_id)
-            if tokens:
-                self.output.append_tokens(req, tokens, result.logprobs.get(req.request_id))
-                touched[self._child_parent[req.request_id]] = None
-            if req.is_finished:
-                self.scheduler.finish(req)
+        result, failed = self._execute(sched)
+        errored = self._fail_requests(sched, failed)
+        emitted = self.scheduler.update_from_output(sched, result, self.output, skip=errored)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, self.max_model_len)
         if self.runner.adaptive is not None and not failed:
             # The step's real cost, for the budget's cost model (drafts as trimmed by the plan).
             self.runner.adaptive.cost.observe(sched.num_tokens, time.perf_counter() - start)
-        return [self._parent_output(pid) for pid in touched]
+        changed = errored | {r.request_id for r in emitted}
+        parents = [self._child_parent[s.request.request_id] for s in sched.scheduled if s.request.request_id in changed]
+        return [self._parent_output(pid) for pid in dict.fromkeys(parents)]
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[StepResult, dict[str, str]]:
+        """The step's results, and the requests that failed (id -> error) when the batch raised."""
+        try:
+            return self.runner.execute(sched), {}
+        except Exception as exc:  # noqa: BLE001 - isolated below; one request must not sink the batch
+            return self._execute_isolated(sched, exc)
+
+    def _fail_requests(self, sched: SchedulerOutput, failed: dict[str, str]) -> set[str]:
+        """Fails each request that raised, with its siblings (n > 1); returns the ids of every
+        scheduled request that must not take this step's results."""
+        for s in sched.scheduled:
+            if s.request.request_id in failed:
+                self._fail(s.request, failed[s.request.request_id])
+        return {s.request.request_id for s in sched.scheduled
+                if self._parents[self._child_parent[s.request.request_id]].error is not None}
 
     def _execute_isolated(self, sched: SchedulerOutput, exc: Exception) -> tuple[StepResult, dict[str, str]]:
         """The batch's step raised. Runs each scheduled request alone to find the one(s) at fault:

@@ -123,15 +123,15 @@ def score_rows(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: EngineConfig, pool: BlockPool):
+    def __init__(self, model: LlamaModel, config: EngineConfig, pool: BlockPool, drafter=None, adaptive=None):
         self.model = model
         self.config = config
         self.device = config.device
         self.pool = pool
         self.vocab_size = model.cfg.vocab_size
         self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
-        self.drafter = None  # a model-based drafter drafts inside the step, before the verify forward
-        self.adaptive = None  # AdaptiveController when speculative_config["adaptive_verification"]
+        self.drafter = drafter  # a model-based drafter drafts inside the step, before the verify forward
+        self.adaptive = adaptive  # AdaptiveController when speculative_config["adaptive_verification"]
         spec = config.speculative
         self.max_verify_rows = spec.max_verify_rows_per_chunk if spec is not None else None
         # Test hook for crash isolation: a step whose batch feeds this run of token ids raises, as

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from verispec.engine.kv_cache import BlockPool
 from verispec.engine.request import Request, RequestStatus
+from verispec.spec_decode.metrics import SpecDecodeMetrics
+
+if TYPE_CHECKING:  # the runner imports this module
+    from verispec.engine.output_processor import OutputProcessor
+    from verispec.engine.runner import StepResult
 
 
 @dataclass(slots=True)
@@ -43,13 +49,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 spec_metrics: SpecDecodeMetrics | None = None):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec_metrics = spec_metrics if spec_metrics is not None else SpecDecodeMetrics(0)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -107,6 +115,35 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def update_from_output(self, sched: SchedulerOutput, result: "StepResult", output: "OutputProcessor",
+                           skip: set[str] = frozenset()) -> list[Request]:
+        """Applies one step's results to its requests (except those in `skip`): the cache now holds
+        the new tokens and the accepted drafts, and blocks that held only rejected drafts go back;
+        prompt logprobs and sampled tokens are appended; finished requests leave. Returns the
+        requests that emitted tokens."""
+        emitted = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.request_id in skip:
+                continue
+            req.num_computed_tokens += s.num_new_tokens
+            if s.spec_tokens:
+                accepted = result.num_accepted[req.request_id]
+                self.spec_metrics.observe(result.num_verified.get(req.request_id, len(s.spec_tokens)), accepted)
+                req.num_computed_tokens += accepted
+                self.pool.truncate(req.request_id, req.num_computed_tokens)
+            req.clear_drafts()
+            prompt_rows = result.prompt_logprobs.get(req.request_id)
+            if prompt_rows is not None:
+                output.append_prompt_logprobs(req, *prompt_rows)
+            tokens = result.sampled.get(req.request_id)
+            if tokens:
+                output.append_tokens(req, tokens, result.logprobs.get(req.request_id))
+                emitted.append(req)
+            if req.is_finished:
+                self.finish(req)
+        return emitted
 
     def finish(self, req: Request) -> None:
         """Removes a finished or aborted request and returns its blocks."""
