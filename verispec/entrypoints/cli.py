@@ -1,4 +1,4 @@
-"""verispec command line: `verispec generate`, `verispec serve` and `verispec bench`."""
+"""verispec command line: `verispec generate`, `verispec serve` and `verispec bench` (verispec alone)."""
 
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     _add_server_args(serve)
 
-    bench = sub.add_parser("bench", help="side-by-side benchmark against HF transformers and llama.cpp")
-    from verispec.bench.runner import add_arguments
+    bench = sub.add_parser("bench", help="latency and throughput of verispec alone (peers: python -m benchmarks)")
+    _add_engine_args(bench)
+    from verispec.bench import add_arguments
 
     add_arguments(bench)
     return parser
@@ -166,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":
-            from verispec.bench.runner import run
+            from verispec.bench import run
 
-            return run(args)
+            return run(args, dict(model=args.model, dtype=args.dtype, device=args.device,
+                                  max_model_len=args.max_model_len, speculative_config=_speculative_config(args)))
     except ValueError as exc:  # bad options: one clear line, no traceback
         print(f"verispec: error: {exc}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from verispec.bench.prompts import Prompt
+from benchmarks.prompts import Prompt
 
 # Draft tokens per step for every prompt-lookup variant. k=5 is verispec's best drafter on the
 # extractive categories of the speculative sweep (docs/benchmarks.md); the peers draft as many,
@@ -298,7 +298,7 @@ def load_system(key: str, model_path: str, threads: int, tokenizer: Any, log: Ca
     if key == "hf":
         return HFSystem(model_path, tokenizer)
     if key == "llamacpp":
-        from verispec.bench.llamacpp import LlamaCppSystem
+        from benchmarks.llamacpp import LlamaCppSystem
 
         return LlamaCppSystem(model_path, threads, log)
     raise ValueError(f"unknown system {key!r}; choose from verispec, {', '.join(PEERS)}")

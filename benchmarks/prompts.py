@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from verispec.bench.texts import (
+from benchmarks.texts import (
     EXTRA_DOCS,
     EXTRACTIVE_INSTRUCTION,
     LONG_QUESTION,

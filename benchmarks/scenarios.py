@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from verispec.bench.peers import PLAIN, SPEC, Generation
-from verispec.bench.prompts import Prompt, chat_prompts, extractive_prompt, long_prompt
-from verispec.bench.report import THROUGHPUT, TTFT
+from benchmarks.peers import PLAIN, SPEC, Generation
+from benchmarks.prompts import Prompt, chat_prompts, extractive_prompt, long_prompt
+from benchmarks.report import THROUGHPUT, TTFT
 
 # The TTFT prompt's length: "time to first token on a ~2k-token prompt".
 TTFT_PROMPT_TOKENS = 2000
@@ -46,9 +46,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("extractive", "extractive", 1, variants=(PLAIN, SPEC), check_logprobs=True, headline=SPEC),
     Scenario("ttft", "long", 1, fixed_tokens=1, metric=TTFT),
 )}
-# The speculative sweep (verispec only, its own prompt set): see verispec/bench/spec.py.
+# The speculative sweep (verispec only, its own prompt set): see benchmarks/spec.py.
 SPEC_SCENARIO = "spec"
-# The adaptive verification sweep (verispec only, by batch size): see verispec/bench/adaptive.py.
+# The adaptive verification sweep (verispec only, by batch size): see benchmarks/adaptive.py.
 ADAPTIVE_SCENARIO = "adaptive"
 ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO)
 

@@ -220,3 +220,20 @@ def write_json(path: Path, doc: dict[str, Any], results: list[Result], headline:
         "ratios_verispec_over_row": ratios(results, headline),
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def busy_seconds() -> float | None:
+    """CPU seconds all processes have used so far (from /proc/stat); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def self_seconds() -> float:
+    """CPU seconds this process has used so far."""
+    t = os.times()
+    return t.user + t.system

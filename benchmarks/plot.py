@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.report import THROUGHPUT, TTFT, Result
+from benchmarks.report import THROUGHPUT, TTFT, Result
 
 
 def _panel(ax: Any, rows: list[Result], colors: dict[str, Any], ttft: bool) -> None:

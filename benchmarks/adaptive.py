@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.report import BUSY_CORES
-from verispec.bench.spec import CATEGORIES
-from verispec.bench.texts import REPORT
+from benchmarks.report import BUSY_CORES, busy_seconds, self_seconds
+from benchmarks.spec import CATEGORIES
+from benchmarks.texts import REPORT
 
 Conversation = list[dict[str, str]]
 
@@ -111,19 +111,14 @@ class Summary:
 
 
 def _run_once(llm: Any, convs: list[Conversation], params: Any, row: AdaptiveRow) -> list[list[int]]:
-    from verispec.bench.runner import (  # runner imports this module
-        _busy_seconds,
-        _self_seconds,
-    )
-
     before = llm.stats()
-    busy, mine, start = _busy_seconds(), _self_seconds(), time.perf_counter()
+    busy, mine, start = busy_seconds(), self_seconds(), time.perf_counter()
     outs = llm.chat(convs, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    after_busy = _busy_seconds()
+    after_busy = busy_seconds()
     row.seconds.append(wall)
     if busy is not None and after_busy is not None:
-        row.others_load = max(row.others_load, (after_busy - busy - (_self_seconds() - mine)) / wall)
+        row.others_load = max(row.others_load, (after_busy - busy - (self_seconds() - mine)) / wall)
     after = llm.stats()
     ids = [list(o.outputs[0].token_ids) for o in outs]
     row.tokens.append(sum(len(i) for i in ids))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verispec.bench.report import Result
+from benchmarks.report import Result
 
 
 @dataclass(frozen=True, slots=True)

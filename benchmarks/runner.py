@@ -1,4 +1,4 @@
-"""`verispec bench`: verispec against HF transformers and llama.cpp on the bundled model, in one run.
+"""`python -m benchmarks`: verispec against HF transformers and llama.cpp on the bundled model, in one run.
 
 All systems run the same prompts (same token ids) on SmolLM2-135M-Instruct, greedy, with exactly
 `max_tokens` new tokens per prompt, one system loaded at a time (so they never compete for the
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.adaptive import (
+from benchmarks.adaptive import (
     AdaptiveRow,
     adaptive_json,
     format_adaptive_table,
@@ -31,7 +31,7 @@ from verispec.bench.adaptive import (
     summary_json,
     target_met,
 )
-from verispec.bench.peers import (
+from benchmarks.peers import (
     PEERS,
     PLAIN,
     Generation,
@@ -39,10 +39,12 @@ from verispec.bench.peers import (
     System,
     load_system,
 )
-from verispec.bench.plot import plot
-from verispec.bench.prompts import Prompt
-from verispec.bench.report import (
+from benchmarks.plot import plot
+from benchmarks.prompts import Prompt
+from benchmarks.report import (
     BUSY_CORES,
+    busy_seconds,
+    self_seconds,
     Result,
     format_ratios,
     format_table,
@@ -50,7 +52,7 @@ from verispec.bench.report import (
     machine_info,
     write_json,
 )
-from verispec.bench.scenarios import (
+from benchmarks.scenarios import (
     ADAPTIVE_SCENARIO,
     ALL_SCENARIOS,
     SCENARIOS,
@@ -61,14 +63,14 @@ from verispec.bench.scenarios import (
     headlines,
     max_abs_diff,
 )
-from verispec.bench.spec import (
+from benchmarks.spec import (
     SpecRow,
     format_spec_table,
     plot_spec,
     run_sweep,
     spec_json,
 )
-from verispec.bench.targets import evaluate, format_targets
+from benchmarks.targets import evaluate, format_targets
 
 DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
 QUICK_MAX_TOKENS, QUICK_RUNS = 32, 1
@@ -165,22 +167,6 @@ def _resolve(args: argparse.Namespace) -> BenchConfig:
                        queue)
 
 
-def _busy_seconds() -> float | None:
-    """CPU seconds all processes have used so far (from /proc/stat); None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _self_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 def _add(total: int | None, part: int | None) -> int | None:
     return part if total is None else total if part is None else total + part
 
@@ -196,16 +182,16 @@ def _measure(system: System, sc: Scenario, variant: str, prompts: list[Prompt], 
     system.generate(warm, min(WARMUP_TOKENS, max_tokens), variant, **extra)  # warm-up, not timed
     gen: Generation | None = None
     for i in range(cfg.runs):
-        busy, mine, start = _busy_seconds(), _self_seconds(), time.perf_counter()
+        busy, mine, start = busy_seconds(), self_seconds(), time.perf_counter()
         gen = system.generate(prompts, max_tokens, variant, **extra)
         wall = time.perf_counter() - start
-        after = _busy_seconds()
+        after = busy_seconds()
         res.seconds.append(wall)
         res.tokens.append(sum(gen.lengths))
         res.spec_steps, res.spec_tokens = _add(res.spec_steps, gen.spec_steps), _add(res.spec_tokens, gen.spec_tokens)
         if busy is not None and after is not None:
             # Everyone's CPU time minus ours = what other processes took from the benchmark.
-            res.others_load.append(max(0.0, (after - busy) - (_self_seconds() - mine)) / wall)
+            res.others_load.append(max(0.0, (after - busy) - (self_seconds() - mine)) / wall)
         log(f"  {label} {sc.name} run {i + 1}/{cfg.runs}: {res.tokens[-1]} tokens in {wall:.2f}s = "
             f"{res.tok_s[-1]:.1f} tok/s" + (f", other processes used {res.others_load[-1]:.2f} cores"
                                             if res.others_load else ""))

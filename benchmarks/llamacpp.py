@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from verispec.bench.peers import (
+from benchmarks.peers import (
     PEERS,
     PLAIN,
     SPEC,
@@ -20,7 +20,7 @@ from verispec.bench.peers import (
     PeerUnavailable,
     acceptance_from_lengths,
 )
-from verispec.bench.prompts import Prompt
+from benchmarks.prompts import Prompt
 
 # Context of the plain instance: room for the ~2k-token TTFT prompt. The speculative instance is
 # sized to its prompts instead, because it keeps logits for every position (n_ctx x 49152 floats).
