@@ -92,7 +92,7 @@ def run(args: argparse.Namespace, llm_kwargs: dict) -> int:
     sizes = batch_sizes(args.batch_sizes)
     if args.max_tokens < 1 or args.runs < 1:
         raise ValueError("--max-tokens and --runs must be >= 1")
-    llm = LLM(max_num_seqs=max(max(sizes), 1), **llm_kwargs)
+    llm = LLM(max_num_seqs=max(sizes), **llm_kwargs)
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer.encode(PROMPT) if tokenizer is not None else list(range(3, 43))
     results = [measure(llm, prompt, b, args.max_tokens, args.runs) for b in sizes]
