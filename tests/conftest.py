@@ -181,3 +181,16 @@ def hf_processed(row: torch.Tensor, params, history: list[int]) -> torch.Tensor:
     if params.top_p < 1.0:
         scores = TopPLogitsWarper(params.top_p)(ids, scores)
     return scores[0]
+
+
+def score_rows(scores: torch.Tensor, num_topk: int, selected: torch.Tensor, custom_ids: torch.Tensor | None = None,
+               as_logprobs: bool = True):
+    """The engine's scorer on rows that are each their own request, all in one raw mode."""
+    from verispec.config import LogprobsMode
+    from verispec.sample.logprobs import RequestScoring
+
+    r = scores.shape[0]
+    mode = LogprobsMode.RAW_LOGPROBS if as_logprobs else LogprobsMode.RAW_LOGITS
+    custom = [c.tolist() for c in custom_ids] if custom_ids is not None else [None] * r
+    scoring = RequestScoring.build([mode] * r, [num_topk] * r, custom, scores.shape[1], scores.device)
+    return scoring.score(scores, None, selected, torch.arange(r))

@@ -23,7 +23,7 @@ from test_spec_decode import (  # noqa: F401 - small_vocab_model and other_draft
 )
 from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
-from verispec.spec_decode import verify_batch as verify_mod
+from verispec.spec_decode import verify as verify_mod
 from verispec.spec_decode.adaptive import CostModel, admit, choose_budget, top_slots_per_request
 
 # A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
@@ -178,16 +178,16 @@ def mixed_params(max_tokens: int = 32) -> list[SamplingParams]:
 def capture_layouts(monkeypatch) -> list[list[int]]:
     """Records each verify step's per-request capacities (read after the step, in the test)."""
     seen: list[torch.Tensor] = []
-    original = verify_mod.verify_batch
+    original = verify_mod.verify
 
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
-        seen.append(out.capacities)
+        seen.append(out.num_verified)
         return out
 
     import verispec.engine.runner as runner_mod
 
-    monkeypatch.setattr(runner_mod, "verify_batch", recording)
+    monkeypatch.setattr(runner_mod, "verify", recording)
     return seen
 
 

@@ -19,9 +19,9 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
 )
 
-from conftest import hf_processed
+from conftest import hf_processed, score_rows
 from verispec.config import LogprobsMode
-from verispec.sample.logprobs import LSE_CHUNK, compute_topk_scores, streaming_logsumexp
+from verispec.sample.logprobs import LSE_CHUNK, streaming_logsumexp
 from verispec.sample.noise import RequestNoise
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
@@ -356,13 +356,13 @@ def test_sample_never_draws_masked_tokens():
 
 
 # ---------------------------------------------------------------- logprob scores
-def test_compute_topk_scores_fp32():
+def test_scorer_fp32():
     rng = torch.Generator().manual_seed(13)
     scores = torch.randn(5, 1000, generator=rng) * 3
     selected = torch.randint(0, 1000, (5,), generator=rng)
     selected[0] = scores[0].argmax()
     k = 7
-    res = compute_topk_scores(scores, k, selected)
+    res = score_rows(scores, k, selected)
     ref = torch.log_softmax(scores, dim=-1)
     top_vals, top_ids = torch.topk(scores, k, dim=-1)
     assert res.logprob_token_ids.shape == (5, k + 1)
@@ -377,43 +377,43 @@ def test_compute_topk_scores_fp32():
     assert torch.equal(expected_ranks, (ref >= ref.gather(1, selected[:, None])).sum(-1))
 
 
-def test_compute_topk_scores_custom_ids_and_logits_mode():
+def test_scorer_custom_ids_and_logits_mode():
     rng = torch.Generator().manual_seed(14)
     scores = torch.randn(4, 300, generator=rng)
     selected = torch.randint(0, 300, (4,), generator=rng)
     custom = torch.randint(0, 300, (4, 5), generator=rng)
-    res = compute_topk_scores(scores, 0, selected, custom_ids=custom)
+    res = score_rows(scores, 0, selected, custom_ids=custom)
     assert torch.equal(res.logprob_token_ids, torch.cat([selected[:, None], custom], 1))
     torch.testing.assert_close(
         res.logprobs, torch.log_softmax(scores, -1).gather(1, res.logprob_token_ids), atol=1e-6, rtol=0
     )
-    raw = compute_topk_scores(scores, 3, selected, as_logprobs=False)
+    raw = score_rows(scores, 3, selected, as_logprobs=False)
     torch.testing.assert_close(raw.logprobs, scores.gather(1, raw.logprob_token_ids), atol=0, rtol=0)
     assert torch.equal(raw.logprob_token_ids[:, 1:], scores.topk(3, -1).indices)
     # num_topk=0, no custom ids: only the selected column.
-    only = compute_topk_scores(scores, 0, selected)
+    only = score_rows(scores, 0, selected)
     assert only.logprob_token_ids.shape == (4, 1) and only.logprobs.shape == (4, 1)
     # num_topk above the vocabulary is clamped.
-    assert compute_topk_scores(scores, 10_000, selected).logprob_token_ids.shape == (4, 301)
+    assert score_rows(scores, 10_000, selected).logprob_token_ids.shape == (4, 301)
 
 
-def test_compute_topk_scores_masked_processed_logits():
+def test_scorer_masked_processed_logits():
     scores = torch.randn(2, 50, generator=torch.Generator().manual_seed(15))
     scores[:, 10:] = NEG_INF
     selected = torch.tensor([3, 12])  # row 1 selects a masked entry
-    res = compute_topk_scores(scores, 3, selected)
+    res = score_rows(scores, 3, selected)
     ref = torch.log_softmax(scores, -1)
     torch.testing.assert_close(res.logprobs, ref.gather(1, res.logprob_token_ids), atol=1e-6, rtol=0)
     assert res.selected_token_ranks[1] == 50  # everything is >= -inf
 
 
-def test_compute_topk_scores_bfloat16():
+def test_scorer_bfloat16():
     rng = torch.Generator().manual_seed(16)
     full = torch.randn(4, 2000, generator=rng) * 3
     scores = full.bfloat16()
     selected = torch.randint(0, 2000, (4,), generator=rng)
     k = 5
-    res = compute_topk_scores(scores, k, selected)
+    res = score_rows(scores, k, selected)
     assert res.logprobs.dtype == torch.float32
     ids = res.logprob_token_ids
     # Exact arithmetic on the bf16 values (fp32 accumulation, no bf16 rounding of the result).

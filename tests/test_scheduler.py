@@ -26,7 +26,7 @@ def run_step(sched: Scheduler) -> dict[str, tuple[int, bool, list[int]]]:
         s.request.num_computed_tokens += s.num_new_tokens
         if s.samples:
             s.request.token_ids.append(1)
-    return {s.request.request_id: (s.num_new_tokens, s.samples, s.spec_tokens) for s in out.scheduled}
+    return {s.request.request_id: (s.num_new_tokens, s.samples, s.draft_token_ids) for s in out.scheduled}
 
 
 def test_chunked_prefill_within_the_budget_running_first():
@@ -51,11 +51,11 @@ def test_admission_stops_at_max_num_seqs():
 def test_drafts_ride_on_decode_steps_only_and_within_the_budget():
     sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=4)
     a = make_request("a", 6)
-    a.spec_tokens = [9, 9, 9]
+    a.draft_token_ids = [9, 9, 9]
     sched.add(a)
     assert run_step(sched)["a"] == (4, False, [])  # prefill: no drafts
     assert run_step(sched)["a"] == (2, True, [])
-    a.spec_tokens = [7, 8, 9, 10, 11]
+    a.draft_token_ids = [7, 8, 9, 10, 11]
     assert run_step(sched)["a"] == (1, True, [7, 8, 9])  # 1 + 3 drafts fill the budget of 4
 
 
@@ -91,14 +91,14 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     step = sched.schedule()
     assert sched.update_from_output(step, StepResult(sampled={"a": [50]}), output) == [a]
     assert a.num_computed_tokens == 6 and a.output_token_ids == [50]
-    a.spec_tokens = [60, 61, 62]
+    a.draft_token_ids = [60, 61, 62]
     step = sched.schedule()  # 1 new token + 3 drafts: 10 tokens, 3 blocks
     assert len(pool.table("a")) == 3
     result = StepResult(sampled={"a": [60, 70]}, num_verified={"a": 3}, num_accepted={"a": 1})
     sched.update_from_output(step, result, output)
     # The cache keeps 6 + 1 + the accepted draft; the block that held only rejected drafts goes back.
     assert a.num_computed_tokens == 8 and len(pool.table("a")) == 2
-    assert a.output_token_ids == [50, 60, 70] and a.spec_tokens == []
+    assert a.output_token_ids == [50, 60, 70] and a.draft_token_ids == []
     assert sched.spec_metrics.as_dict()["accepted_per_position"] == [1, 0, 0]
     assert (sched.spec_metrics.num_drafts, sched.spec_metrics.num_draft_tokens) == (1, 3)
     skipped = sched.schedule()

@@ -4,6 +4,7 @@ the output distribution by chi-square, and block accounting after many rejection
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,18 +13,21 @@ import torch
 from conftest import hf_model, hf_processed, make_tiny_checkpoint, random_prompts
 from verispec import LLM, SamplingParams
 from verispec.config import LogprobsMode
+from verispec.engine.request import Request
+from verispec.engine.scheduler import ScheduledRequest
 from verispec.sample.metadata import RowSpec
 from verispec.sample.noise import RequestNoise
 from verispec.spec_decode import rejection
 from verispec.spec_decode.ngram import propose_ngram
-from verispec.spec_decode.verify_batch import VerifyRequest, verify_batch
+from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts, SpecDecodeMetadata
+from verispec.spec_decode.verify import verify
 
 NEG = float("-inf")
 
 
 # ------------------------------------------------------------------------------ the verifier
 class RowsAsLogits:
-    """A model stand-in for `verify_batch`: the hidden rows are the logits themselves."""
+    """A model stand-in for `verify`: the hidden rows are the logits themselves."""
 
     @staticmethod
     def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
@@ -37,19 +41,23 @@ def row_spec(params: SamplingParams, output_ids: list[int], noise: RequestNoise 
 
 
 def run_verify(logits, drafts, num_drafts, q=None, greedy=False, seed=0):
-    """The engine's verifier (`verify_batch`) on hand-built rows: request i's candidate rows are
-    logits[i, :num_drafts[i] + 1], row j emitting sequence position j; q[i, j] is draft j's q."""
+    """The engine's verifier (`verify`) on hand-built requests with empty prompts: request i's
+    candidate rows are logits[i, :num_drafts[i] + 1], row j emitting sequence position j. With q,
+    drafts are a model drafter's: q[i, j] is draft j's q, and the host sees only placeholders."""
     params = SamplingParams(temperature=0.0 if greedy else 1.0)
-    reqs, hidden = [], []
+    sampled, first_rows, model_drafts, hidden = [], [], {}, []
     for i, d in enumerate(num_drafts):
-        noise = None if greedy else RequestNoise(seed + i)
-        rows = [row_spec(params, list(drafts[i][:j]), noise) for j in range(d + 1)]
-        reqs.append(VerifyRequest(
-            rows=rows, first_flat_row=sum(len(x) for x in hidden), host_drafts=list(drafts[i][:d]),
-            device_drafts=None, q=q[i, :d] if q is not None and d else None, confidence=None, host_scores=None,
-        ))
+        req = Request(f"r{i}", None, [], params, LogprobsMode.RAW_LOGPROBS, RequestNoise(seed + i), frozenset(), 64)
+        ids = list(drafts[i][:d])
+        if q is not None and d:
+            model_drafts[req.request_id] = ModelDrafts(host_ids=[PLACEHOLDER] * d, token_ids=torch.tensor(ids),
+                                                       probs=q[i, :d], confidence=q[i, :d].amax(-1))
+            ids = [PLACEHOLDER] * d
+        sampled.append(ScheduledRequest(req, 1, True, ids))
+        first_rows.append(sum(len(x) for x in hidden))
         hidden.append(logits[i, : d + 1])
-    out = verify_batch(RowsAsLogits(), torch.cat(hidden), reqs, logits.shape[-1], budget=None, max_rows=None)
+    meta = SpecDecodeMetadata.build(sampled, first_rows, model_drafts, None, logits.shape[-1], torch.device("cpu"))
+    out = verify(RowsAsLogits(), torch.cat(hidden), meta, max_rows=None)
     return SimpleNamespace(sampled=out.sampled, num_sampled=out.num_sampled, num_accepted=out.num_sampled - 1)
 
 
@@ -327,15 +335,15 @@ def test_one_hot_verifier_with_fresh_noise_fails_the_distribution_test(small_voc
     """The one-hot rule is exact because a rejected row emits the winner of the same race that
     rejected the draft. Emitting a fresh race's winner instead (which may be the rejected draft
     again) must be caught."""
-    import verispec.spec_decode.verify_batch as verify_mod
+    import verispec.spec_decode.verify as verify_mod
 
     path, model = small_vocab_model
     params = SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True)
     original = rejection.row_outcomes
 
-    def fresh_after_rejection(processed, drafts, is_bonus, greedy, race, *rest):
-        out = original(processed, drafts, is_bonus, greedy, race, *rest)
-        fresh = original(processed, drafts, is_bonus, greedy, torch.empty_like(race).exponential_(), *rest)
+    def fresh_after_rejection(processed, drafts, is_bonus, draws):
+        out = original(processed, drafts, is_bonus, draws)
+        fresh = original(processed, drafts, is_bonus, replace(draws, race=torch.empty_like(draws.race).exponential_()))
         # A rejected row emits the winner of a new race, which may be the rejected draft itself.
         out.emit = torch.where(out.accept | is_bonus, out.emit, fresh.emit.where(~fresh.accept, drafts))
         out.selected = torch.where(out.accept, drafts, out.emit)

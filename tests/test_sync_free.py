@@ -40,13 +40,22 @@ def host_reads_forbidden():
             setattr(torch.Tensor, name, fn)
 
 
+def step_targets(runner) -> list[tuple[object, str]]:
+    """The device phase of a step: building the spec-decode metadata, the forward, prompt
+    scoring, verification (every sampled row) and a model drafter's drafting."""
+    import verispec.engine.runner as runner_mod
+
+    targets = [(runner_mod.SpecDecodeMetadata, "build"), (runner, "_forward"), (runner, "_score_prompts"),
+               (runner_mod, "verify")]
+    if runner.drafter is not None:
+        targets += [(runner.drafter, "draft"), (runner.drafter, "observe")]
+    return targets
+
+
 def guard(runner, monkeypatch):
     """Wraps the runner's device phase (drafting, forward, sampling/verification/scoring)."""
     calls = {"n": 0}
-    targets = [(runner, "_sample"), (runner, "_score_prompts")]
-    if runner.drafter is not None:
-        targets += [(runner.drafter, "draft"), (runner.drafter, "observe")]
-    for obj, attr in targets:
+    for obj, attr in step_targets(runner):
         original = getattr(obj, attr)
 
         def wrapped(*args, _original=original, **kwargs):
@@ -55,14 +64,6 @@ def guard(runner, monkeypatch):
                 return _original(*args, **kwargs)
 
         monkeypatch.setattr(obj, attr, wrapped)
-    model = runner.model
-    original_forward = model.forward
-
-    def forward(*args, **kwargs):
-        with host_reads_forbidden():
-            return original_forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", forward)
     return calls
 
 
@@ -112,7 +113,7 @@ def test_the_guard_catches_a_host_read():
 STEP_MODULES = ["engine/runner.py", "models/attention.py", "models/llama.py", "sample/logprobs.py",
                 "sample/metadata.py", "sample/noise.py", "sample/processors.py", "sample/prompt_logprobs.py",
                 "sample/sampler.py", "spec_decode/adaptive.py", "spec_decode/drafter.py",
-                "spec_decode/rejection.py", "spec_decode/verify_batch.py"]
+                "spec_decode/metadata.py", "spec_decode/rejection.py", "spec_decode/verify.py"]
 
 
 def test_host_values_reach_the_device_through_pinned_copies():
@@ -146,10 +147,7 @@ def test_cuda_step_passes_sync_debug_mode_error(tiny_llama, monkeypatch, name):
         spec = dict(spec, model=tiny_llama)
     llm = LLM(tiny_llama, device="cuda", max_num_batched_tokens=16, block_size=4, speculative_config=spec)
     runner = llm.engine.runner
-    targets = [(runner, "_sample")]
-    if runner.drafter is not None:
-        targets += [(runner.drafter, "draft"), (runner.drafter, "observe")]
-    for obj, attr in targets + [(runner.model, "forward")]:
+    for obj, attr in step_targets(runner):
         original = getattr(obj, attr)
 
         def wrapped(*args, _original=original, **kwargs):

@@ -86,16 +86,9 @@ class LogprobsTensors:
     logprob_token_ids: torch.Tensor  # [R, K+1] int64; column 0 = the row's sampled/actual token
     logprobs: torch.Tensor  # [R, K+1] float32 scores in the request's mode; invalid cells -inf
     selected_token_ranks: torch.Tensor  # [R] int64, 1-based
-    cu_num_generated_tokens: list[int] | None = None  # host row boundaries per request
-    cu_num_generated_tokens_tensor: torch.Tensor | None = None  # device boundaries (adaptive)
-
-    def __post_init__(self) -> None:
-        if self.cu_num_generated_tokens is not None and self.cu_num_generated_tokens_tensor is not None:
-            raise ValueError("cu_num_generated_tokens and cu_num_generated_tokens_tensor are exclusive")
-
-    @property
-    def num_rows(self) -> int:
-        return self.logprobs.shape[0]
+    # Device row boundaries: request i owns rows [cu[i], cu[i+1]). Verification decides them on
+    # the device (adaptive), so the host learns them only with the step's copy. None: one request.
+    cu_num_generated_tokens: torch.Tensor | None = None
 
     def to_cpu_nonblocking(self) -> "LogprobsTensors":
         if self.logprobs.device.type == "cpu":
@@ -105,25 +98,25 @@ class LogprobsTensors:
             logprob_token_ids=move(self.logprob_token_ids),
             logprobs=move(self.logprobs),
             selected_token_ranks=move(self.selected_token_ranks),
-            cu_num_generated_tokens=self.cu_num_generated_tokens,
-            cu_num_generated_tokens_tensor=move(self.cu_num_generated_tokens_tensor),
+            cu_num_generated_tokens=move(self.cu_num_generated_tokens),
         )
 
     def tolists(self) -> LogprobsLists:
         """Host lists; call only after the step's synchronisation point."""
         cu = self.cu_num_generated_tokens
-        if self.cu_num_generated_tokens_tensor is not None:
-            cu = self.cu_num_generated_tokens_tensor.tolist()
         return LogprobsLists(
             logprob_token_ids=self.logprob_token_ids.numpy(),
             logprobs=self.logprobs.numpy(),
             selected_token_ranks=self.selected_token_ranks.numpy(),
-            cu_num_generated_tokens=cu,
+            cu_num_generated_tokens=cu.tolist() if cu is not None else None,
         )
 
     @staticmethod
     def cat(chunks: list["LogprobsTensors"]) -> "LogprobsTensors":
-        """Concatenates row chunks; widths are padded with -inf / -1, boundaries are offset."""
+        """Concatenates chunks of rows (without boundaries: a chunk may end inside a request);
+        widths are padded with -inf / -1."""
+        if any(c.cu_num_generated_tokens is not None for c in chunks):
+            raise ValueError("chunks of rows carry no request boundaries; set them on the whole")
         if len(chunks) == 1:
             return chunks[0]
         width = max(c.logprobs.shape[1] for c in chunks)
@@ -131,23 +124,8 @@ class LogprobsTensors:
         def pad(t: torch.Tensor, value) -> torch.Tensor:
             return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
-        ids = torch.cat([pad(c.logprob_token_ids, -1) for c in chunks])
-        lps = torch.cat([pad(c.logprobs, float("-inf")) for c in chunks])
-        ranks = torch.cat([c.selected_token_ranks for c in chunks])
-        host = [c.cu_num_generated_tokens for c in chunks]
-        dev = [c.cu_num_generated_tokens_tensor for c in chunks]
-        cu_list = cu_tensor = None
-        if all(h is not None for h in host):
-            cu_list = [0]
-            for h in host:
-                offset = cu_list[-1]
-                cu_list.extend(offset + x for x in h[1:])
-        elif all(d is not None for d in dev):
-            parts, offset = [dev[0][:1]], dev[0].new_zeros(())
-            for d in dev:
-                parts.append(d[1:] + offset)
-                offset = offset + d[-1]
-            cu_tensor = torch.cat(parts)
-        elif any(h is not None for h in host) or any(d is not None for d in dev):
-            raise ValueError("cannot cat chunks that mix boundary kinds")
-        return LogprobsTensors(ids, lps, ranks, cu_list, cu_tensor)
+        return LogprobsTensors(
+            logprob_token_ids=torch.cat([pad(c.logprob_token_ids, -1) for c in chunks]),
+            logprobs=torch.cat([pad(c.logprobs, float("-inf")) for c in chunks]),
+            selected_token_ranks=torch.cat([c.selected_token_ranks for c in chunks]),
+        )

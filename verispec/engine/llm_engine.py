@@ -69,10 +69,10 @@ class LLMEngine:
 
         self.pool = BlockPool(self._num_blocks(), config.block_size)
         spec = config.speculative
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0))
         self.drafter = make_drafter(spec, self.model, self.tokenizer, config) if spec else None
         adaptive = self._adaptive_controller(config) if spec is not None and spec.adaptive_verification else None
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0), adaptive)
         # Model drafters draft inside the step, before the verify forward; prompt lookup drafts after it.
         in_step = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
         self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step, adaptive=adaptive)
@@ -263,8 +263,7 @@ class LLMEngine:
                 logger.error("request %s failed: %s", rid, "".join(traceback.format_exception(part_exc)))
                 failed[rid] = f"{type(part_exc).__name__}: {part_exc}"
                 continue
-            for name in ("sampled", "logprobs", "prompt_logprobs", "num_verified", "num_accepted"):
-                getattr(merged, name).update(getattr(part, name))
+            merged.update(part)
         return merged, failed
 
     def _fail(self, req: Request, message: str) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verispec.config import LogprobsMode
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from verispec.spec_decode.adaptive import RequestHistory
 
 
 class RequestStatus(enum.Enum):
@@ -48,22 +51,10 @@ class Request:
     logprobs: list[dict[int, Any]] | None = None
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     num_prompt_logprob_rows: int = 0  # prompt positions whose logprobs are done
-    # Draft tokens proposed for the next step (verified, never trusted); drafter's q rows if any.
-    spec_tokens: list[int] = field(default_factory=list)
-    draft_probs: Any = None
-    # Model drafters keep the draft values on the device ([k] int64); spec_tokens may then hold
-    # placeholders of the right length.
-    draft_tensor: Any = None
-    # Model drafters: the peak of q at each draft position, on the device ([k] fp32): the slots'
-    # confidences (for a greedy request, q(x_j) itself).
-    draft_conf: Any = None
-    # Adaptive verification (spec_decode/adaptive.py): the per-position acceptance EMA, and the
-    # survival scores of the drafts this request verified last (model drafters).
-    spec_confidence: list[float] | None = None
-    spec_survival: list[float] | None = None
-
-    def clear_drafts(self) -> None:
-        self.spec_tokens, self.draft_probs, self.draft_tensor, self.draft_conf = [], None, None, None
+    # Drafts proposed for the next step (verified, never trusted): values, or PLACEHOLDERs
+    # (spec_decode/metadata.py) that a model drafter fills inside the step.
+    draft_token_ids: list[int] = field(default_factory=list)
+    spec_history: "RequestHistory | None" = None  # adaptive verification's estimates
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -22,6 +22,7 @@ from verispec.spec_decode.metrics import SpecDecodeMetrics
 if TYPE_CHECKING:  # the runner imports this module
     from verispec.engine.output_processor import OutputProcessor
     from verispec.engine.runner import StepResult
+    from verispec.spec_decode.adaptive import AdaptiveController
 
 
 @dataclass(slots=True)
@@ -31,11 +32,11 @@ class ScheduledRequest:
     # True when this step reaches the end of the request's known tokens: its last row is sampled.
     samples: bool
     # Draft tokens fed after the known ones, to be verified in this same forward.
-    spec_tokens: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return self.num_new_tokens + len(self.spec_tokens)
+        return self.num_new_tokens + len(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -50,7 +51,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 spec_metrics: SpecDecodeMetrics | None = None):
+                 spec_metrics: SpecDecodeMetrics | None = None, adaptive: "AdaptiveController | None" = None):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -58,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.spec_metrics = spec_metrics if spec_metrics is not None else SpecDecodeMetrics(0)
+        self.adaptive = adaptive  # learns from each verified outcome
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,11 +75,11 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             # Drafts ride along only on a plain decode step, and only as far as the budget allows.
-            spec = req.spec_tokens[: budget - num_new] if num_new == 1 else []
+            spec = req.draft_token_ids[: budget - num_new] if num_new == 1 else []
             if not self._allocate_or_preempt(req, num_new + len(spec), out):
                 break  # req itself was preempted; everything after it already was
             entry = self._entry(req, num_new)
-            entry.spec_tokens = spec
+            entry.draft_token_ids = spec
             out.scheduled.append(entry)
             budget -= num_new + len(spec)
             i += 1
@@ -109,7 +111,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.request_id)
-        req.clear_drafts()
+        req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -120,7 +122,8 @@ class Scheduler:
                            skip: set[str] = frozenset()) -> list[Request]:
         """Applies one step's results to its requests (except those in `skip`): the cache now holds
         the new tokens and the accepted drafts, and blocks that held only rejected drafts go back;
-        prompt logprobs and sampled tokens are appended; finished requests leave. Returns the
+        the counters and the adaptive controller learn the drafts' outcome; prompt logprobs and
+        sampled tokens are appended; finished requests leave. Returns the
         requests that emitted tokens."""
         emitted = []
         for s in sched.scheduled:
@@ -128,12 +131,14 @@ class Scheduler:
             if req.request_id in skip:
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            if s.spec_tokens:
-                accepted = result.num_accepted[req.request_id]
-                self.spec_metrics.observe(result.num_verified.get(req.request_id, len(s.spec_tokens)), accepted)
+            if s.draft_token_ids:
+                verified, accepted = result.num_verified[req.request_id], result.num_accepted[req.request_id]
+                self.spec_metrics.observe(verified, accepted)
+                if self.adaptive is not None:
+                    self.adaptive.observe(req, verified, accepted, result.draft_confidence.get(req.request_id))
                 req.num_computed_tokens += accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
-            req.clear_drafts()
+            req.draft_token_ids = []
             prompt_rows = result.prompt_logprobs.get(req.request_id)
             if prompt_rows is not None:
                 output.append_prompt_logprobs(req, *prompt_rows)

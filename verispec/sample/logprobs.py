@@ -1,8 +1,10 @@
-"""Logprob scores on the device: the sampled (or actual) token, top-k or custom ids, and ranks.
+"""The one logprob scorer: the selected (or actual) token, top-k or custom ids, and ranks.
 
-`compute_topk_scores` gathers first and casts after: the only [R, V]-sized work is the max, the
-chunked log-sum-exp, the top-k selection and the rank comparison, all on the scores as they are,
-never a full fp32 copy made just to gather from it.
+Sampled rows and prompt rows go through the same `RequestScoring.score`. Each row takes its
+request's settings by gathering on the device, because under verification a row's request is
+known only there. Scores are gathered first and cast after: the only [R, V]-sized work is the
+max, the chunked log-sum-exp, the top-k selection and the rank comparison, never a full fp32 copy
+made just to gather from it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.config import LogprobsMode
 from verispec.device_copy import to_device
 from verispec.outputs import LogprobsTensors
 
@@ -29,41 +32,9 @@ def streaming_logsumexp(scores: torch.Tensor) -> torch.Tensor:
     return safe_m + total.log()
 
 
-def compute_topk_scores(
-    scores: torch.Tensor,
-    num_topk: int,
-    selected: torch.Tensor,
-    custom_ids: torch.Tensor | None = None,
-    as_logprobs: bool = True,
-) -> LogprobsTensors:
-    """Scores for `selected` [R] plus the top `num_topk` (or `custom_ids` [R, C]) per row.
-
-    as_logprobs=False returns the scores themselves (logits modes). Ranks count the vocab entries
-    whose score is >= the selected token's score (1-based); log-softmax is monotone per row, so
-    counting on the logits gives the rank of the returned logprobs.
-    """
-    selected = selected.long()[:, None]
-    chosen = scores.gather(1, selected)
-    ranks = (scores >= chosen).sum(dim=-1)
-    if custom_ids is not None:
-        ids = custom_ids.long()
-        vals = scores.gather(1, ids)
-    elif num_topk > 0:
-        vals, ids = scores.topk(min(num_topk, scores.shape[1]), dim=-1)
-    else:
-        ids = selected[:, :0]
-        vals = chosen[:, :0]
-    token_ids = torch.cat([selected, ids], dim=1)
-    values = torch.cat([chosen, vals], dim=1).float()
-    if as_logprobs:
-        values = values - streaming_logsumexp(scores)[:, None]
-    return LogprobsTensors(logprob_token_ids=token_ids, logprobs=values, selected_token_ranks=ranks)
-
-
 @dataclass(slots=True)
 class RequestScoring:
-    """Per-request logprob settings as device tensors, for rows whose request is known only on
-    the device (compact verification): each row takes its request's mode and ids by gathering."""
+    """Per-request logprob settings as device tensors; row r belongs to request row_req[r]."""
 
     is_raw: torch.Tensor  # [R] bool: raw scores (else processed)
     is_logprobs: torch.Tensor  # [R] bool: normalised (else logits)
@@ -74,28 +45,31 @@ class RequestScoring:
     all_processed: bool
 
     @classmethod
-    def build(cls, specs: list, vocab: int, device: torch.device) -> "RequestScoring | None":
-        """specs: one RowSpec per request; None when no request wants logprobs."""
-        if not any(s.num_logprobs is not None or s.params.logprob_token_ids is not None for s in specs):
+    def build(cls, modes: list[LogprobsMode], num_topk: list[int | None], custom: list[list[int] | None],
+              vocab: int, device: torch.device) -> "RequestScoring | None":
+        """One entry per request: its mode, its top-k (-1: the whole vocabulary; None: none) and
+        its custom ids (None: none). None when no request wants logprobs."""
+        if all(k is None for k in num_topk) and not any(custom):
             return None
-        custom = [s.params.logprob_token_ids for s in specs]
-        topks = [s.num_logprobs for s in specs if s.num_logprobs is not None and s.params.logprob_token_ids is None]
+        topks = [k for k, c in zip(num_topk, custom) if k is not None and not c]
         width = max((len(c) for c in custom if c), default=0)
-        raw = [s.mode.is_raw for s in specs]
+        raw = [m.is_raw for m in modes]
         return cls(
             is_raw=to_device(raw, dtype=torch.bool, device=device),
-            is_logprobs=to_device([s.mode.is_logprobs for s in specs], dtype=torch.bool, device=device),
+            is_logprobs=to_device([m.is_logprobs for m in modes], dtype=torch.bool, device=device),
             num_topk=vocab if -1 in topks else max(topks, default=0),
             custom_ids=to_device([(c + c[:1] * (width - len(c))) if c else [0] * width for c in custom],
-                                    dtype=torch.long, device=device) if width else None,
+                                 dtype=torch.long, device=device) if width else None,
             is_custom=to_device([bool(c) for c in custom], dtype=torch.bool, device=device) if width else None,
             all_raw=all(raw),
             all_processed=not any(raw),
         )
 
-    def score(self, raw: torch.Tensor, processed: torch.Tensor, selected: torch.Tensor,
+    def score(self, raw: torch.Tensor, processed: torch.Tensor | None, selected: torch.Tensor,
               row_req: torch.Tensor) -> LogprobsTensors:
-        """Scores rows [n] of requests row_req [n] (device), each in its own request's mode."""
+        """Scores rows [n] of requests row_req [n], each in its own request's mode. Ranks count
+        the entries whose score is >= the selected token's (1-based); log-softmax is monotone
+        per row, so counting on the scores gives the rank of the returned logprobs."""
         if self.all_raw or self.all_processed:
             scores = raw if self.all_raw else processed
         else:

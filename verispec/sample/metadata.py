@@ -8,6 +8,7 @@ from parameters, never from device values, so skipping a stage costs no synchron
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from verispec.config import LogprobsMode
 from verispec.device_copy import to_device
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine's request imports the noise module, not this one
+    from verispec.engine.request import Request
 
 
 @dataclass(slots=True)
@@ -31,15 +35,32 @@ class RowSpec:
     position_independent: bool = False  # prompt rows: only position-independent processors
     purpose: str = "sample"  # which noise stream a random draw of this row uses
 
+    @classmethod
+    def for_request(cls, req: "Request", drafts: list[int] = (), purpose: str = "sample") -> "RowSpec":
+        """The row that emits the token after req's tokens plus `drafts` (accepted, as far as
+        this row knows: penalties and min_tokens see them)."""
+        return cls(
+            params=req.params,
+            prompt_ids=req.prompt_token_ids,
+            output_ids=req.output_token_ids + list(drafts),
+            noise=req.noise,
+            stop_ids=req.stop_ids,
+            mode=req.logprobs_mode,
+            num_logprobs=req.params.logprobs,
+            purpose=purpose,
+        )
+
     @property
     def position(self) -> int:
         """Sequence position of the token this row emits: its noise key."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def noise_key(self) -> int | None:
+    def noise_key(self, purpose: str | None = None) -> int | None:
+        """The key of this row's draw for `purpose` (default: the row's own); None for a row that
+        never draws at random. The only place a row's noise key is made."""
         if self.noise is None or self.params.greedy:
             return None
-        return self.noise.key(self.purpose, self.position)
+        return self.noise.key(purpose or self.purpose, self.position)
 
 
 @dataclass(slots=True)

@@ -118,8 +118,9 @@ def _penalty_tensors(md: SamplingMetadata, vocab: int, device: torch.device) -> 
     counts = torch.zeros(rows, vocab + 1, device=device)
     for i, row in enumerate(md.rows):
         p = row.params
-        if row.position_independent:
-            continue
+        if row.position_independent or (p.repetition_penalty == 1.0 and not p.presence_penalty
+                                        and not p.frequency_penalty):
+            continue  # nothing to apply; its drafts may be placeholders, never read
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         if row.output_ids:
             ids = to_device(row.output_ids, dtype=torch.long, device=device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from verispec.outputs import LogprobsTensors
-from verispec.sample.logprobs import compute_topk_scores
+from verispec.sample.logprobs import RequestScoring
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
 
@@ -20,21 +20,20 @@ def score_prompt_rows(
     compute_logits,
     hidden: torch.Tensor,  # [N, hidden] rows predicting `targets`
     targets: torch.Tensor,  # [N] the actual next prompt tokens
-    spec: RowSpec,
-    num_topk: int,
+    spec: RowSpec,  # position-independent; num_logprobs is the prompt's top-k (-1: all)
     vocab_size: int,
     chunk_rows: int,
 ) -> LogprobsTensors:
+    scoring = RequestScoring.build([spec.mode], [spec.num_logprobs], [None], vocab_size, hidden.device)
     parts = []
     for start in range(0, hidden.shape[0], chunk_rows):
-        logits = compute_logits(hidden[start : start + chunk_rows])
-        scores = logits
+        rows = slice(start, start + chunk_rows)
+        raw = compute_logits(hidden[rows])
+        processed = None
         if not spec.mode.is_raw:
-            md = SamplingMetadata.build([spec] * logits.shape[0], vocab_size, logits.device)
-            scores = apply_processors(logits, md)
-            del logits
-        parts.append(
-            compute_topk_scores(scores, num_topk, targets[start : start + chunk_rows], None, spec.mode.is_logprobs)
-        )
-        del scores
+            processed = apply_processors(raw, SamplingMetadata.build([spec] * raw.shape[0], vocab_size, raw.device))
+            raw = None  # a processed mode never reads the raw scores: free them first
+        row_req = torch.zeros(targets[rows].shape[0], dtype=torch.long, device=hidden.device)
+        parts.append(scoring.score(raw, processed, targets[rows], row_req))
+        del raw, processed
     return LogprobsTensors.cat(parts)

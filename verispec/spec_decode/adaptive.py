@@ -176,6 +176,44 @@ def admit(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 @dataclass(slots=True)
+class RequestHistory:
+    """One request's estimates, kept across its steps (Request.spec_history)."""
+
+    confidence: list[float]  # per-position acceptance EMA
+    survival: list[float] | None = None  # the survival of the drafts it verified last (model drafters)
+
+
+@dataclass(slots=True)
+class AdaptivePlan:
+    """One step's plan: the budget B and the scores the device admits slots by."""
+
+    budget: int
+    host_scores: dict[str, list[float]]  # request id -> survival score of each slot it keeps
+    # Model drafters: (q-peak bucket edges, [greedy/random, bucket] acceptance table) for the
+    # device-side scores; None: the host scores are this step's own (ngram).
+    calibration: tuple[torch.Tensor, torch.Tensor] | None
+
+    def survival(self, reqs, num_drafts: list[int], confidence: list[torch.Tensor | None],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[R, K] survival scores on the device (-inf past each request's drafts), and for model
+        drafters the raw q peaks [R, K] (zeros past the drafts), which go back to the host."""
+        k = max(num_drafts)
+        if self.calibration is None:
+            host = [self.host_scores.get(r.request_id, [])[:d] for r, d in zip(reqs, num_drafts)]
+            return to_device([x + [float("-inf")] * (k - len(x)) for x in host], dtype=torch.float32,
+                             device=device), None
+        edges, table = self.calibration
+        raw = torch.zeros(len(reqs), k, device=device)
+        for i, c in enumerate(confidence):
+            if c is not None:
+                raw[i, : c.shape[0]] = c.float()
+        mode = to_device([0 if r.params.greedy else 1 for r in reqs], dtype=torch.long, device=device)
+        scores = table[mode[:, None], torch.searchsorted(edges, raw, right=True) - 1].cumprod(dim=1)
+        drafted = torch.arange(k, device=device)[None, :] < to_device(num_drafts, device=device)[:, None]
+        return scores.masked_fill(~drafted, float("-inf")), raw
+
+
+@dataclass(slots=True)
 class AdaptiveStats:
     """Cumulative counters for `LLM.stats()["adaptive"]`."""
 
@@ -209,47 +247,51 @@ class AdaptiveController:
         self.calibration = [[PRIOR_CONFIDENCE] * len(Q_BUCKET_EDGES) for _ in range(2)]
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
 
-    def calibration_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bucket edges, [2, buckets] table) for the device-side lookup; host values, no sync."""
-        return (to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
-                to_device(self.calibration, dtype=torch.float32, device=device))
-
     def calibrated(self, q: float, greedy: bool) -> float:
         return self.calibration[0 if greedy else 1][int(np.searchsorted(Q_BUCKET_EDGES, q, side="right")) - 1]
 
     # ------------------------------------------------------------------ scores on the host
-    def request_confidence(self, req) -> list[float]:
-        if req.spec_confidence is None:
-            req.spec_confidence = list(self.global_confidence)
-        return req.spec_confidence
+    def history(self, req) -> RequestHistory:
+        if req.spec_history is None:
+            req.spec_history = RequestHistory(confidence=list(self.global_confidence))
+        return req.spec_history
 
     def host_scores(self, req, num_drafts: int) -> list[float]:
         """The survival estimate of each of the request's slots, from host values only."""
-        if not self.exact_host_scores and req.spec_survival:
-            prev = req.spec_survival[:num_drafts]
+        history = self.history(req)
+        if not self.exact_host_scores and history.survival:
+            prev = history.survival[:num_drafts]
             conf = self.global_confidence
             while len(prev) < num_drafts:  # a longer draft than last time: extend by the prior
                 prev.append(prev[-1] * conf[len(prev)])
             return prev
-        return list(np.cumprod(self.request_confidence(req)[:num_drafts]))
+        return list(np.cumprod(history.confidence[:num_drafts]))
 
     # ------------------------------------------------------------------ the plan
-    def plan(self, scheduled) -> int:
-        """Picks this step's budget B and trims each request's drafts to the forward's share."""
-        drafting = [s for s in scheduled if s.spec_tokens]
-        scores = [self.host_scores(s.request, len(s.spec_tokens)) for s in drafting]
+    def plan(self, scheduled, device: torch.device) -> AdaptivePlan | None:
+        """Picks this step's budget B and trims each request's drafts to the forward's share;
+        None when no request drafts."""
+        drafting = [s for s in scheduled if s.draft_token_ids]
+        if not drafting:
+            return None
+        scores = [self.host_scores(s.request, len(s.draft_token_ids)) for s in drafting]
         num_emitting = sum(1 for s in scheduled if s.samples)
         base = sum(s.num_new_tokens for s in scheduled)
         flat = [x for row in scores for x in row]
         budget = choose_budget(flat, num_emitting, base, self.cost)
         keep = budget if self.exact_host_scores else min(len(flat), budget + max(1, budget // 4))
-        for s, n in zip(drafting, top_slots_per_request(scores, keep)):
-            s.spec_tokens = s.spec_tokens[:n]
-            s.request.spec_tokens = s.spec_tokens
+        kept = {}
+        for s, row, n in zip(drafting, scores, top_slots_per_request(scores, keep)):
+            s.draft_token_ids = s.draft_token_ids[:n]
+            kept[s.request.request_id] = row[:n]
         self.stats.num_steps += 1
         self.stats.budget_total += budget
         self.stats.drafted_total += keep
-        return budget
+        calibration = None
+        if not self.exact_host_scores:
+            calibration = (to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
+                           to_device(self.calibration, dtype=torch.float32, device=device))
+        return AdaptivePlan(budget, kept, calibration)
 
     # ------------------------------------------------------------------ after the step
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:
@@ -258,7 +300,8 @@ class AdaptiveController:
         q: model drafters' q peak at each draft, copied back with the step's outputs."""
         self.stats.admitted_total += capacity
         self.stats.capacity_histogram[capacity] += 1
-        conf = self.request_confidence(req)
+        history = self.history(req)
+        conf = history.confidence
         table = self.calibration[0 if req.params.greedy else 1]
         for j in range(min(num_accepted + 1, capacity)):
             outcome = 1.0 if j < num_accepted else 0.0
@@ -272,4 +315,4 @@ class AdaptiveController:
             # estimate toward the last one's, or a request capped early would never try more.
             conf[capacity] += REQUEST_EMA * (conf[capacity - 1] - conf[capacity])
         if q is not None:  # next step's estimate: this step's drafts, scored with the new table
-            req.spec_survival = list(np.cumprod([self.calibrated(x, req.params.greedy) for x in q]))
+            history.survival = list(np.cumprod([self.calibrated(x, req.params.greedy) for x in q]))

@@ -1,9 +1,10 @@
 """Drafters propose draft tokens for the requests that are decoding.
 
 - `NgramDrafter` proposes at the end of a step from the request's own tokens (no q).
-- `ModelDrafter`s (layer_skip, draft_model) reserve k placeholder slots at the end of a step, so
+- `ModelDrafter`s (layer_skip, draft_model) reserve k PLACEHOLDER slots at the end of a step, so
   the scheduler can budget and allocate them, then draft inside the next step, after scheduling
-  and before the verify forward (`draft`), and return q, the processed draft distribution.
+  and before the verify forward (`draft`): the drafts stay on the device with q, the processed
+  draft distribution (spec_decode/metadata.py, `ModelDrafts`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from verispec.config import SpeculativeConfig
 from verispec.device_copy import to_device
 from verispec.engine.request import Request
 from verispec.models.attention import SeqSpan, build_attention_metadata
-from verispec.sample.metadata import SamplingMetadata
+from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.sampler import sample
+from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts
 from verispec.spec_decode.ngram import propose_ngram
 
 
@@ -47,7 +49,7 @@ class NgramDrafter:
         for req in running:
             room = draft_room(req, self.k, max_model_len)
             if room:
-                req.spec_tokens = propose_ngram(req.token_ids, room, self.n_min, self.n_max)
+                req.draft_token_ids = propose_ngram(req.token_ids, room, self.n_min, self.n_max)
 
 
 class ModelDrafter:
@@ -61,7 +63,7 @@ class ModelDrafter:
         for req in running:
             room = draft_room(req, self.k, max_model_len)
             if room:
-                req.spec_tokens = [0] * room  # placeholders, replaced by `draft`
+                req.draft_token_ids = [PLACEHOLDER] * room  # drafted inside the next step
 
     def model_and_cache(self, runner):
         raise NotImplementedError
@@ -70,13 +72,11 @@ class ModelDrafter:
         """Called with the target's flat batch after its forward; keeps the drafter's cache in step."""
 
     @torch.inference_mode()
-    def draft(self, runner, scheduled) -> None:
-        """Replaces the placeholders of the scheduled requests with drafts and their q rows."""
-        from verispec.engine.runner import row_spec  # the runner imports the drafters
-
-        jobs = [s for s in scheduled if s.spec_tokens]
+    def draft(self, runner, scheduled) -> dict[str, ModelDrafts]:
+        """Drafts for the scheduled requests' placeholders, by request id."""
+        jobs = [s for s in scheduled if s.draft_token_ids]
         if not jobs:
-            return
+            return {}
         model, kv_layers = self.model_and_cache(runner)
         pool, dev = runner.pool, runner.device
         drafts: list[list[int]] = [[] for _ in jobs]
@@ -84,10 +84,10 @@ class ModelDrafter:
         confidence: list[list[torch.Tensor]] = [[] for _ in jobs]
         device_drafts: list[list[torch.Tensor]] = [[] for _ in jobs]
         last = to_device([s.request.token_ids[s.request.num_computed_tokens] for s in jobs], device=dev)
-        for j in range(max(len(s.spec_tokens) for s in jobs)):
+        for j in range(max(len(s.draft_token_ids) for s in jobs)):
             # Step j feeds each request's newest token (the pending one, then its drafts) at its
             # position, through the drafting model and into the drafting model's cache.
-            active = [i for i, s in enumerate(jobs) if len(s.spec_tokens) > j]
+            active = [i for i, s in enumerate(jobs) if len(s.draft_token_ids) > j]
             spans, positions = [], []
             for row, i in enumerate(active):
                 req = jobs[i].request
@@ -97,7 +97,7 @@ class ModelDrafter:
             meta = build_attention_metadata(spans, pool.block_size, dev, model.dtype)
             index = to_device(active, dtype=torch.long, device=dev)
             hidden = model(last[index], to_device(positions, device=dev), meta, kv_layers, self.num_layers)
-            rows = [row_spec(jobs[i].request, "draft", drafts[i]) for i in active]
+            rows = [RowSpec.for_request(jobs[i].request, drafts[i], purpose="draft") for i in active]
             md = SamplingMetadata.build(rows, runner.vocab_size, dev)
             processed = apply_processors(model.compute_logits(hidden), md)
             tokens = sample(processed, md)
@@ -113,15 +113,13 @@ class ModelDrafter:
             # costs one read per draft step, and only then. Elsewhere a placeholder keeps the count.
             values = tokens.tolist() if any(needs_token_values(jobs[i].request) for i in active) else None
             for row, i in enumerate(active):
-                drafts[i].append(values[row] if values is not None else 0)
+                drafts[i].append(values[row] if values is not None else PLACEHOLDER)
                 probs[i].append(q[row])
                 confidence[i].append(conf[row])
                 device_drafts[i].append(tokens[row])
-        for s, d, q, t, c in zip(jobs, drafts, probs, device_drafts, confidence):
-            s.spec_tokens = d
-            s.request.draft_probs = torch.stack(q)
-            s.request.draft_tensor = torch.stack(t)
-            s.request.draft_conf = torch.stack(c)
+        return {s.request.request_id: ModelDrafts(host_ids=d, token_ids=torch.stack(t), probs=torch.stack(q),
+                                                  confidence=torch.stack(c))
+                for s, d, q, t, c in zip(jobs, drafts, probs, device_drafts, confidence)}
 
 
 def make_drafter(cfg: SpeculativeConfig, target, target_tokenizer, engine_config):

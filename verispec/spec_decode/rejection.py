@@ -32,23 +32,68 @@ is assembled with tensor ops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from verispec.device_copy import to_device
+from verispec.sample.metadata import RowSpec
+from verispec.sample.noise import exponential_rows, uniform_values
 
 
 @dataclass(slots=True)
 class VerifyOutput:
-    sampled: torch.Tensor  # [R, K+1] int64 emitted tokens, -1 padded
+    sampled: torch.Tensor  # [R, K+1] int64 output tokens (accepted drafts, then one recovered or bonus), -1 padded
     num_sampled: torch.Tensor  # [R] int64, 1 + number of accepted drafts
-    num_accepted: torch.Tensor  # [R] int64
 
 
 @dataclass(slots=True)
 class RowOutcome:
     accept: torch.Tensor  # [N] bool: the row's draft passes its test (False on bonus rows)
-    emit: torch.Tensor  # [N] int64: the token the row emits if it is the request's first non-accept
+    emit: torch.Tensor  # [N] int64: the recovered or bonus token, if the row is its request's first non-accept
     selected: torch.Tensor  # [N] int64: the token the row emits, whichever way (its logprob's token)
+
+
+@dataclass(slots=True)
+class RowDraws:
+    """What each candidate row's test and draws need beyond its logits, built on the host from
+    the rows' noise keys (`RowSpec.noise_key`, the one place keys are made)."""
+
+    greedy: torch.Tensor  # [N] bool
+    race: torch.Tensor | None  # [N, V] Exp(1) `sample` noise (ones on greedy rows); None: all greedy
+    q: torch.Tensor | None = None  # [N, V] draft probabilities (zeros where unused); None: all one-hot
+    uses_q: torch.Tensor | None = None  # [N] bool: the row verifies a q-draft of a random request
+    accept_u: torch.Tensor | None = None  # [N] float64 U(0,1) `accept` draws
+    recover: torch.Tensor | None = None  # [N, V] Exp(1) `recover` noise
+
+    @classmethod
+    def build(cls, rows: list[list[RowSpec]], q: list[torch.Tensor | None], vocab: int,
+              device: torch.device) -> "RowDraws":
+        """rows[i]: request i's candidate rows (one per draft, then the bonus); q[i]: its drafts'
+        q rows [d_i, V], or None for one-hot drafts."""
+        flat = [spec for group in rows for spec in group]
+        greedy = [spec.params.greedy for spec in flat]
+        race = None if all(greedy) else exponential_rows([spec.noise_key("sample") for spec in flat], vocab, device)
+        draws = cls(greedy=to_device(greedy, dtype=torch.bool, device=device), race=race)
+        with_q = [x is not None and not group[0].params.greedy for x, group in zip(q, rows)]
+        if not any(with_q):
+            return draws
+        # Only a q-draft's own row draws `accept` and `recover`; bonus rows and one-hot requests do not.
+        uses = [has and j < len(group) - 1 for has, group in zip(with_q, rows) for j in range(len(group))]
+        draws.q = torch.cat([torch.cat([x, x.new_zeros(1, vocab)]) if has else
+                             torch.zeros(len(group), vocab, device=device)
+                             for x, has, group in zip(q, with_q, rows)])
+        draws.uses_q = to_device(uses, dtype=torch.bool, device=device)
+        draws.accept_u = uniform_values([s.noise_key("accept") if u else None for s, u in zip(flat, uses)], device)
+        draws.recover = exponential_rows([s.noise_key("recover") if u else None for s, u in zip(flat, uses)],
+                                         vocab, device)
+        return draws
+
+    def select(self, index: torch.Tensor) -> "RowDraws":
+        """The draws of candidate rows `index` (a device tensor)."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return replace(self, greedy=self.greedy[index], race=pick(self.race), q=pick(self.q),
+                       uses_q=pick(self.uses_q), accept_u=pick(self.accept_u), recover=pick(self.recover))
 
 
 def residual_distribution(
@@ -62,31 +107,27 @@ def residual_distribution(
 
 def row_outcomes(
     processed: torch.Tensor,  # [N, V] processed target logits
-    drafts: torch.Tensor,  # [N] the draft each row verifies (any valid id on bonus rows)
+    drafts: torch.Tensor,  # [N] the draft each row verifies (PLACEHOLDER -1 on bonus rows past the drafts)
     is_bonus: torch.Tensor,  # [N] bool
-    greedy: torch.Tensor,  # [N] bool
-    race: torch.Tensor | None,  # [N, V] Exp(1) `sample` noise (ones on greedy rows); None: all greedy
-    q: torch.Tensor | None = None,  # [N, V] draft probabilities (q-drafters); None: all one-hot
-    uses_q: torch.Tensor | None = None,  # [N] bool: the row's request has q (and is random)
-    accept_u: torch.Tensor | None = None,  # [N] float64 U(0,1) `accept` draws
-    recover: torch.Tensor | None = None,  # [N, V] Exp(1) `recover` noise
+    draws: RowDraws,  # the rows' own draws
 ) -> RowOutcome:
     """Per-row verification statistics; rows are independent of each other."""
     winners = processed.argmax(dim=-1)
     probs = None
-    if race is not None:
+    if draws.race is not None:
         probs = processed.softmax(dim=-1)
-        winners = torch.where(greedy, winners, (probs / race).argmax(dim=-1))
+        winners = torch.where(draws.greedy, winners, (probs / draws.race).argmax(dim=-1))
     accept = drafts == winners
     emit = winners
-    if q is not None:
+    if draws.q is not None:
+        index = drafts.clamp_min(0)[:, None]  # a bonus row's placeholder is never tested
         probs = processed.softmax(dim=-1) if probs is None else probs
-        p_draft = probs.gather(-1, drafts[:, None]).squeeze(-1).double()
-        q_draft = q.gather(-1, drafts[:, None]).squeeze(-1).double()
-        accept_q = (accept_u * q_draft <= p_draft) & (q_draft > 0)
-        recovered = (residual_distribution(probs, drafts, q) / recover).argmax(dim=-1)
-        accept = torch.where(uses_q, accept_q, accept)
-        emit = torch.where(uses_q & ~is_bonus, recovered, emit)
+        p_draft = probs.gather(-1, index).squeeze(-1).double()
+        q_draft = draws.q.gather(-1, index).squeeze(-1).double()
+        accept_q = (draws.accept_u * q_draft <= p_draft) & (q_draft > 0)
+        recovered = (residual_distribution(probs, index[:, 0], draws.q) / draws.recover).argmax(dim=-1)
+        accept = torch.where(draws.uses_q, accept_q, accept)
+        emit = torch.where(draws.uses_q & ~is_bonus, recovered, emit)
     accept = accept & ~is_bonus
     return RowOutcome(accept=accept, emit=emit, selected=torch.where(accept, drafts, emit))
 
@@ -102,4 +143,4 @@ def assemble(selected: torch.Tensor, accept: torch.Tensor, row_req: torch.Tensor
     tokens.index_put_((row_req, row_j), selected)
     keep = torch.arange(width, device=selected.device)[None, :] <= num_accepted[:, None]
     sampled = torch.where(keep, tokens, torch.full_like(tokens, -1))
-    return VerifyOutput(sampled=sampled, num_sampled=num_accepted + 1, num_accepted=num_accepted)
+    return VerifyOutput(sampled=sampled, num_sampled=num_accepted + 1)

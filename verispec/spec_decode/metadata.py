@@ -1,0 +1,109 @@
+"""SpecDecodeMetadata: a step's drafts and sampled rows, built once, in one place.
+
+Every sampled request is a verify request. Request i carries d_i draft tokens (d_i = 0 is plain
+sampling, exactly) and owns d_i + 1 *candidate rows*: row j is the target's distribution after the
+request's tokens plus drafts 1..j, and verifies draft j+1; the last one is the bonus row. A draft
+id is a host value where the host knows it (ngram, or a model draft whose request's processors
+read token values) and PLACEHOLDER where only the device does; `draft_token_ids` holds every
+draft's device value.
+
+Built after the adaptive plan and the model drafter, from host values and tensors already on the
+device: nothing here reads a device value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from verispec.device_copy import to_device
+from verispec.sample.logprobs import RequestScoring
+from verispec.sample.metadata import RowSpec, SamplingMetadata
+from verispec.spec_decode.rejection import RowDraws
+
+if TYPE_CHECKING:
+    from verispec.engine.request import Request
+    from verispec.engine.scheduler import ScheduledRequest
+    from verispec.spec_decode.adaptive import AdaptivePlan
+
+# A draft whose value only the device knows. Not a token id: fed to the model unreplaced, it fails.
+PLACEHOLDER = -1
+
+
+@dataclass(slots=True)
+class ModelDrafts:
+    """One request's drafts from a model drafter, made inside the step; they stay on the device."""
+
+    host_ids: list[int]  # the values where the request's processors read them, else PLACEHOLDER
+    token_ids: torch.Tensor  # [d] int64
+    probs: torch.Tensor  # [d, V] q: the processed draft distribution
+    confidence: torch.Tensor  # [d] q's peak at each position (adaptive verification)
+
+
+@dataclass(slots=True)
+class SpecDecodeMetadata:
+    requests: list["Request"]  # the step's sampled requests, in batch order
+    num_draft_tokens: list[int]  # d_i
+    num_drafts: torch.Tensor  # [R] d_i, on the device
+    rows: list[RowSpec]  # candidate rows, request after request
+    first_flat_rows: torch.Tensor  # [R] flat-batch row of each request's first candidate row
+    cand_start: torch.Tensor  # [R] index in `rows` of each request's first candidate row
+    draft_token_ids: torch.Tensor  # [R, K+1] int64 device values of the drafts, PLACEHOLDER padded
+    sampling: SamplingMetadata  # processor inputs, one per candidate row
+    draws: RowDraws  # per candidate row: greedy flag, noise, q
+    scoring: RequestScoring | None  # per request logprob settings; None: nobody asked
+    # Adaptive verification: [R, K] survival scores (-inf past each request's drafts) and the
+    # number of drafts the device admits; None: every draft is verified.
+    survival: torch.Tensor | None = None
+    budget: int = 0
+    draft_confidence: torch.Tensor | None = None  # [R, K] q peaks, copied back for calibration
+    # (flat rows, request, position) of model drafts that replace their placeholders in the batch
+    fill: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, sampled: list["ScheduledRequest"], first_flat_rows: list[int], drafts: dict[str, ModelDrafts],
+              plan: "AdaptivePlan | None", vocab: int, device: torch.device) -> "SpecDecodeMetadata":
+        reqs = [s.request for s in sampled]
+        model = [drafts.get(r.request_id) for r in reqs]
+        ids = [m.host_ids if m is not None else s.draft_token_ids for s, m in zip(sampled, model)]
+        d = [len(x) for x in ids]
+        k = max(d)
+        per_request = [[RowSpec.for_request(req, x[:j]) for j in range(len(x) + 1)] for req, x in zip(reqs, ids)]
+        rows = [spec for group in per_request for spec in group]
+        draft_ids = to_device([x + [PLACEHOLDER] * (k + 1 - len(x)) for x in ids], dtype=torch.long, device=device)
+        fill = None
+        if drafts:
+            at = [(first + 1 + j, i, j) for i, (m, first) in enumerate(zip(model, first_flat_rows)) if m is not None
+                  for j in range(len(m.host_ids))]
+            fill = tuple(to_device(list(col), dtype=torch.long, device=device) for col in zip(*at))
+            draft_ids[fill[1], fill[2]] = torch.cat([m.token_ids for m in model if m is not None])
+        starts = [0]
+        for x in d[:-1]:
+            starts.append(starts[-1] + x + 1)
+        meta = cls(
+            requests=reqs,
+            num_draft_tokens=d,
+            num_drafts=to_device(d, dtype=torch.long, device=device),
+            rows=rows,
+            first_flat_rows=to_device(first_flat_rows, dtype=torch.long, device=device),
+            cand_start=to_device(starts, dtype=torch.long, device=device),
+            draft_token_ids=draft_ids,
+            sampling=SamplingMetadata.build(rows, vocab, device),
+            draws=RowDraws.build(per_request, [m.probs if m is not None else None for m in model], vocab, device),
+            scoring=RequestScoring.build([r.logprobs_mode for r in reqs], [r.params.logprobs for r in reqs],
+                                         [r.params.logprob_token_ids for r in reqs], vocab, device),
+            fill=fill,
+        )
+        if plan is not None:
+            meta.budget = plan.budget
+            meta.survival, meta.draft_confidence = plan.survival(
+                reqs, d, [m.confidence if m is not None else None for m in model], device)
+        return meta
+
+    def write_drafts(self, input_ids: torch.Tensor) -> None:
+        """Model drafts replace their placeholders in the flat batch's input ids (on the device)."""
+        if self.fill is not None:
+            rows, req, j = self.fill
+            input_ids[rows] = self.draft_token_ids[req, j]
