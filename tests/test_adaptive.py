@@ -182,7 +182,8 @@ def capture_layouts(monkeypatch) -> list[list[int]]:
 
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
-        seen.append(out.num_verified)
+        if out.num_verified is not None:  # adaptive verification decided the capacities
+            seen.append(out.num_verified)
         return out
 
     import verispec.engine.runner as runner_mod

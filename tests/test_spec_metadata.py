@@ -35,13 +35,14 @@ def test_layout_of_plain_host_and_device_drafts():
     sampled = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True, [7, 8]),
                ScheduledRequest(c, 1, True, [PLACEHOLDER] * 3)]
     meta = SpecDecodeMetadata.build(sampled, [0, 1, 4], {"c": model_drafts([9, 10, 11])}, None, VOCAB, CPU)
-    assert meta.num_draft_tokens == [0, 2, 3] and meta.num_drafts.tolist() == [0, 2, 3]
-    assert meta.cand_start.tolist() == [0, 1, 4] and len(meta.rows) == 8
+    assert meta.num_draft_tokens == [0, 2, 3] and len(meta.rows) == 8
+    assert meta.host_draft_ids == [[], [7, 8], [-1, -1, -1]]
     assert meta.draft_token_ids.tolist() == [[-1, -1, -1, -1], [7, 8, -1, -1], [9, 10, 11, -1]]
     # Candidate row j of a request sees its drafts 1..j in its history and emits position p + j.
     assert [r.output_ids for r in meta.rows[1:4]] == [[], [7], [7, 8]]
     assert [r.position for r in meta.rows[4:]] == [3, 4, 5, 6]
     assert meta.scoring is None and meta.survival is None  # nobody asked for logprobs; no plan
+    assert meta.draws.race is None and meta.sampling.temperature is None  # all greedy: nothing to draw
     # The flat batch holds c's placeholders at rows 5..7; the device drafts replace them.
     ids = torch.tensor([2, 3, 7, 8, 6, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER])
     meta.write_drafts(ids)

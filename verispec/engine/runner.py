@@ -167,7 +167,8 @@ class ModelRunner:
             result.prompt_logprobs[req.request_id] = (lo, t.tolists())
         if out is None:
             return result
-        sampled, num_sampled, verified = out.sampled.tolist(), out.num_sampled.tolist(), out.num_verified.tolist()
+        sampled, num_sampled = out.sampled.tolist(), out.num_sampled.tolist()
+        verified = out.num_verified.tolist() if out.num_verified is not None else spec.num_draft_tokens
         confidence = out.draft_confidence.tolist() if out.draft_confidence is not None else None
         lists = out.logprobs.tolists() if out.logprobs is not None else None
         for i, req in enumerate(spec.requests):

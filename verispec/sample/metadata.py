@@ -1,8 +1,9 @@
 """Per-step sampling metadata: one row per logits row that is sampled or scored.
 
 Built once per step on the host from the requests' parameters (host values only), then moved to
-the device in a handful of small tensors. Stage flags (`any_top_k`, ...) are host booleans derived
-from parameters, never from device values, so skipping a stage costs no synchronisation.
+the device in a handful of small tensors, one per stage that some row uses. Whether a stage runs
+is decided from parameters on the host, never from device values, so skipping one costs no
+synchronisation.
 """
 
 from __future__ import annotations
@@ -66,15 +67,12 @@ class RowSpec:
 @dataclass(slots=True)
 class SamplingMetadata:
     rows: list[RowSpec]
-    temperature: torch.Tensor  # [R] fp32, 1.0 for greedy rows
-    top_k: torch.Tensor  # [R] int64, vocab size when off
-    top_p: torch.Tensor  # [R] fp32
-    min_p: torch.Tensor  # [R] fp32
+    # Per-row stage inputs; None where no row uses the stage (it is skipped, and costs no copy).
+    temperature: torch.Tensor | None  # [R] fp32, 1.0 for greedy rows
+    top_k: torch.Tensor | None  # [R] int64, vocab size when off
+    top_p: torch.Tensor | None  # [R] fp32
+    min_p: torch.Tensor | None  # [R] fp32
     greedy: list[bool]
-    any_temperature: bool
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
     any_penalty: bool
     any_sparse: bool  # allowed ids, bad words, min_tokens or logit_bias somewhere
     # A view (see `select`): logits row r belongs to `rows[row_index[r]]`, a device-side map.
@@ -85,14 +83,9 @@ class SamplingMetadata:
     def select(self, row_index: torch.Tensor) -> "SamplingMetadata":
         """Metadata for logits rows picked from `rows` on the device (compact verification): the
         per-row tensors are gathered, host-built ones are gathered when a stage builds them."""
-        return replace(
-            self,
-            temperature=self.temperature[row_index],
-            top_k=self.top_k[row_index],
-            top_p=self.top_p[row_index],
-            min_p=self.min_p[row_index],
-            row_index=row_index,
-        )
+        pick = lambda t: None if t is None else t[row_index]  # noqa: E731
+        return replace(self, temperature=pick(self.temperature), top_k=pick(self.top_k), top_p=pick(self.top_p),
+                       min_p=pick(self.min_p), row_index=row_index)
 
     @classmethod
     def build(cls, rows: list[RowSpec], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -109,17 +102,17 @@ class SamplingMetadata:
                 any_pen |= p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                 any_sparse |= bool(p._bad_words_token_ids or (p.min_tokens and len(r.output_ids) < p.min_tokens))
             any_sparse |= bool(p.allowed_token_ids or p.logit_bias)
+
+        def stage(values: list, used: bool, dtype: torch.dtype) -> torch.Tensor | None:
+            return to_device(values, dtype=dtype, device=device) if used else None
+
         return cls(
             rows=rows,
-            temperature=to_device(temps, dtype=torch.float32, device=device),
-            top_k=to_device(ks, dtype=torch.long, device=device),
-            top_p=to_device(ps, dtype=torch.float32, device=device),
-            min_p=to_device(mps, dtype=torch.float32, device=device),
+            temperature=stage(temps, any(t != 1.0 for t in temps), torch.float32),
+            top_k=stage(ks, any(k < vocab_size for k in ks), torch.long),
+            top_p=stage(ps, any(p < 1.0 for p in ps), torch.float32),
+            min_p=stage(mps, any(m > 0.0 for m in mps), torch.float32),
             greedy=greedy,
-            any_temperature=any(t != 1.0 for t in temps),
-            any_top_k=any(k < vocab_size for k in ks),
-            any_top_p=any(p < 1.0 for p in ps),
-            any_min_p=any(m > 0.0 for m in mps),
             any_penalty=any_pen,
             any_sparse=any_sparse,
         )

@@ -25,12 +25,12 @@ def apply_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
         _apply_sparse(out, md)
     if md.any_penalty:
         _apply_penalties(out, md)
-    if md.any_temperature:
+    if md.temperature is not None:
         out.div_(md.temperature[:, None])
-    if md.any_min_p:
+    if md.min_p is not None:
         _apply_min_p(out, md.min_p)
-    if md.any_top_k or md.any_top_p:
-        out = apply_top_k_top_p(out, md.top_k if md.any_top_k else None, md.top_p if md.any_top_p else None)
+    if md.top_k is not None or md.top_p is not None:
+        out = apply_top_k_top_p(out, md.top_k, md.top_p)
     return out
 
 

@@ -46,11 +46,12 @@ class ModelDrafts:
 class SpecDecodeMetadata:
     requests: list["Request"]  # the step's sampled requests, in batch order
     num_draft_tokens: list[int]  # d_i
-    num_drafts: torch.Tensor  # [R] d_i, on the device
+    host_draft_ids: list[list[int]]  # per request: draft values known on the host, else PLACEHOLDER
     rows: list[RowSpec]  # candidate rows, request after request
-    first_flat_rows: torch.Tensor  # [R] flat-batch row of each request's first candidate row
-    cand_start: torch.Tensor  # [R] index in `rows` of each request's first candidate row
-    draft_token_ids: torch.Tensor  # [R, K+1] int64 device values of the drafts, PLACEHOLDER padded
+    first_flat_rows: list[int]  # flat-batch row of each request's first candidate row
+    # [R, K+1] int64 device values of the drafts, PLACEHOLDER padded; only where the host's
+    # values are not enough (model drafts, or adaptive verification's device-side layout).
+    draft_token_ids: torch.Tensor | None
     sampling: SamplingMetadata  # processor inputs, one per candidate row
     draws: RowDraws  # per candidate row: greedy flag, noise, q
     scoring: RequestScoring | None  # per request logprob settings; None: nobody asked
@@ -72,23 +73,20 @@ class SpecDecodeMetadata:
         k = max(d)
         per_request = [[RowSpec.for_request(req, x[:j]) for j in range(len(x) + 1)] for req, x in zip(reqs, ids)]
         rows = [spec for group in per_request for spec in group]
-        draft_ids = to_device([x + [PLACEHOLDER] * (k + 1 - len(x)) for x in ids], dtype=torch.long, device=device)
-        fill = None
+        draft_ids = fill = None
+        if drafts or plan is not None:
+            draft_ids = to_device([x + [PLACEHOLDER] * (k + 1 - len(x)) for x in ids], dtype=torch.long, device=device)
         if drafts:
             at = [(first + 1 + j, i, j) for i, (m, first) in enumerate(zip(model, first_flat_rows)) if m is not None
                   for j in range(len(m.host_ids))]
             fill = tuple(to_device(list(col), dtype=torch.long, device=device) for col in zip(*at))
             draft_ids[fill[1], fill[2]] = torch.cat([m.token_ids for m in model if m is not None])
-        starts = [0]
-        for x in d[:-1]:
-            starts.append(starts[-1] + x + 1)
         meta = cls(
             requests=reqs,
             num_draft_tokens=d,
-            num_drafts=to_device(d, dtype=torch.long, device=device),
+            host_draft_ids=ids,
             rows=rows,
-            first_flat_rows=to_device(first_flat_rows, dtype=torch.long, device=device),
-            cand_start=to_device(starts, dtype=torch.long, device=device),
+            first_flat_rows=first_flat_rows,
             draft_token_ids=draft_ids,
             sampling=SamplingMetadata.build(rows, vocab, device),
             draws=RowDraws.build(per_request, [m.probs if m is not None else None for m in model], vocab, device),

@@ -59,7 +59,7 @@ class RowDraws:
     """What each candidate row's test and draws need beyond its logits, built on the host from
     the rows' noise keys (`RowSpec.noise_key`, the one place keys are made)."""
 
-    greedy: torch.Tensor  # [N] bool
+    greedy: torch.Tensor | None  # [N] bool; None: every row is greedy
     race: torch.Tensor | None  # [N, V] Exp(1) `sample` noise (ones on greedy rows); None: all greedy
     q: torch.Tensor | None = None  # [N, V] draft probabilities (zeros where unused); None: all one-hot
     uses_q: torch.Tensor | None = None  # [N] bool: the row verifies a q-draft of a random request
@@ -73,8 +73,10 @@ class RowDraws:
         q rows [d_i, V], or None for one-hot drafts."""
         flat = [spec for group in rows for spec in group]
         greedy = [spec.params.greedy for spec in flat]
-        race = None if all(greedy) else exponential_rows([spec.noise_key("sample") for spec in flat], vocab, device)
-        draws = cls(greedy=to_device(greedy, dtype=torch.bool, device=device), race=race)
+        if all(greedy):
+            return cls(greedy=None, race=None)  # greedy requests have no q rule either
+        draws = cls(greedy=to_device(greedy, dtype=torch.bool, device=device),
+                    race=exponential_rows([spec.noise_key("sample") for spec in flat], vocab, device))
         with_q = [x is not None and not group[0].params.greedy for x, group in zip(q, rows)]
         if not any(with_q):
             return draws
@@ -92,7 +94,7 @@ class RowDraws:
     def select(self, index: torch.Tensor) -> "RowDraws":
         """The draws of candidate rows `index` (a device tensor)."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return replace(self, greedy=self.greedy[index], race=pick(self.race), q=pick(self.q),
+        return replace(self, greedy=pick(self.greedy), race=pick(self.race), q=pick(self.q),
                        uses_q=pick(self.uses_q), accept_u=pick(self.accept_u), recover=pick(self.recover))
 
 
@@ -136,6 +138,8 @@ def assemble(selected: torch.Tensor, accept: torch.Tensor, row_req: torch.Tensor
              num_reqs: int, width: int) -> VerifyOutput:
     """Per-request outcome from per-row results: the leading run of accepts, the drafts it
     keeps, and the token of the first non-accepted row (a replacement or the bonus)."""
+    if width == 1:  # no drafts in the step: row i is request i's bonus row
+        return VerifyOutput(sampled=selected[:, None], num_sampled=torch.ones_like(selected))
     accepted = torch.zeros(num_reqs, width, dtype=torch.long, device=selected.device)
     accepted.index_put_((row_req, row_j), accept.long())
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [R]; a bonus row is never accepted
