@@ -74,9 +74,10 @@ class SpecDecodeMetadata:
         per_request = [[RowSpec.for_request(req, x[:j]) for j in range(len(x) + 1)] for req, x in zip(reqs, ids)]
         rows = [spec for group in per_request for spec in group]
         draft_ids = fill = None
-        if drafts or plan is not None:
+        on_device = any(m is not None for m in model)
+        if on_device or plan is not None:
             draft_ids = to_device([x + [PLACEHOLDER] * (k + 1 - len(x)) for x in ids], dtype=torch.long, device=device)
-        if drafts:
+        if on_device:
             at = [(first + 1 + j, i, j) for i, (m, first) in enumerate(zip(model, first_flat_rows)) if m is not None
                   for j in range(len(m.host_ids))]
             fill = tuple(to_device(list(col), dtype=torch.long, device=device) for col in zip(*at))
