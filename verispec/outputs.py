@@ -68,12 +68,11 @@ class LogprobsLists:
     cu_num_generated_tokens: list[int] | None = None
 
     def slice_request(self, i: int, num_generated: int | None = None) -> "LogprobsLists":
-        """Rows of request i. With boundaries, request i owns rows [cu[i], cu[i+1]);
-        num_generated keeps only the first rows of that span (the emitted tokens)."""
+        """Rows of request i, which owns rows [cu[i], cu[i+1]); num_generated keeps only the
+        first rows of that span (the emitted tokens)."""
         if self.cu_num_generated_tokens is None:
-            start, end = i, i + 1
-        else:
-            start, end = self.cu_num_generated_tokens[i], self.cu_num_generated_tokens[i + 1]
+            raise ValueError("these rows carry no request boundaries")
+        start, end = self.cu_num_generated_tokens[i], self.cu_num_generated_tokens[i + 1]
         if num_generated is not None:
             end = min(end, start + num_generated)
         return LogprobsLists(
