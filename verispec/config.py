@@ -50,14 +50,17 @@ _DTYPES = {
 }
 
 
-def parse_dtype(dtype: "str | torch.dtype") -> torch.dtype:
+def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
+    """None stands for "auto": the engine resolves it from the checkpoint."""
+    if dtype is None or dtype == "auto":
+        return None
     if isinstance(dtype, torch.dtype):
         if dtype in _DTYPES.values():
             return dtype
-        raise ValueError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
+        raise ValueError(f"dtype must be 'auto', float32, bfloat16 or float16; got {dtype}")
     if dtype in _DTYPES:
         return _DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))}; got {dtype!r}")
+    raise ValueError(f"dtype must be one of {['auto'] + sorted(set(_DTYPES))}; got {dtype!r}")
 
 
 def parse_device(device: "str | torch.device") -> torch.device:
@@ -155,7 +158,9 @@ class EngineConfig:
     """Resolved engine options. Built by `LLM` from its keyword arguments."""
 
     model: str | None = None
-    dtype: torch.dtype = torch.float32
+    # None until the engine resolves "auto" from the checkpoint (see loader.resolve_precision).
+    dtype: torch.dtype | None = torch.float32
+    quantization: str | None = None  # "gguf", "int4", "int8": weights stay packed (the fast tier)
     device: torch.device = torch.device("cpu")
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -193,6 +198,8 @@ class EngineConfig:
         )
 
     def validate(self) -> None:
+        if self.quantization not in (None, "gguf", "int4", "int8"):
+            raise ValueError(f"quantization must be 'gguf', 'int4', 'int8' or None; got {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -17,7 +17,7 @@ from verispec.engine.runner import ModelRunner, StepResult
 from verispec.engine.scheduler import Scheduler, SchedulerOutput
 from verispec.models.default import default_model_path
 from verispec.models.llama import LlamaModel
-from verispec.models.loader import load_checkpoint, load_tokenizer
+from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
 from verispec.outputs import RequestOutput
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
@@ -50,9 +50,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_path = config.model or default_model_path()
         self.model_path = model_path
-        model_cfg, weights = load_checkpoint(model_path, config.dtype)
+        config.dtype, config.quantization = resolve_precision(model_path, config.dtype, config.quantization, config.device)
+        model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
         self.model_config = model_cfg
-        self.model = LlamaModel(model_cfg, weights).to(config.device).eval()
+        self.model = LlamaModel(model_cfg, weights, dtype=config.dtype, device=config.device).eval()
         del weights
         self.tokenizer = load_tokenizer(model_path)
         limit = model_cfg.max_position_embeddings

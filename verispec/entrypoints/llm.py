@@ -24,6 +24,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "float32",
+        quantization: str | None = None,
         device: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -40,6 +41,7 @@ class LLM:
         config = EngineConfig.create(
             model=model,
             dtype=dtype,
+            quantization=quantization,
             device=device,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,

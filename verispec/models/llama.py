@@ -1,8 +1,7 @@
 """Llama-family forward (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
 
-Linear layers are small modules holding their weight transposed ([in, out]): on this CPU class
-`x @ W_t` beats `F.linear(x, W)` by up to 2x for the skinny decode shapes (measured, see
-docs/design.md). A tensor-parallel variant replaces `Linear` without touching the layer code.
+Linear layers come from `make_linear` (verispec.models.linear): dense, or quantized and packed
+for the int4 kernels. The layer code never knows which.
 """
 
 from __future__ import annotations
@@ -15,21 +14,8 @@ from torch import nn
 
 from verispec.models.attention import AttentionMetadata, paged_attention
 from verispec.models.config import ModelConfig
-
-
-class Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
-
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W_t in one fused op (no bias: o and down projections have none)."""
-        return torch.addmm(residual, x, self.weight_t)
+from verispec.models.linear import make_linear
+from verispec.models.quant import QuantizedWeight, concat_rows
 
 
 class RMSNorm(nn.Module):
@@ -77,25 +63,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, cfg: ModelConfig, w: dict, prefix: str, dtype: torch.dtype, device: torch.device):
         super().__init__()
         get = lambda name: w.get(prefix + name)  # noqa: E731
+        dense = lambda name: w[prefix + name].to(device=device, dtype=dtype)  # noqa: E731
+        linear = lambda weight, bias=None: make_linear(weight, dtype, device, bias)  # noqa: E731
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.attn_norm = RMSNorm(get("attn_norm"), cfg.rms_norm_eps)
-        self.mlp_norm = RMSNorm(get("mlp_norm"), cfg.rms_norm_eps)
+        self.attn_norm = RMSNorm(dense("attn_norm"), cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(dense("mlp_norm"), cfg.rms_norm_eps)
         # q, k and v in one matmul: one weight read per layer instead of three.
         bias = None
         if cfg.attention_bias:
             bias = torch.cat([get("q_bias"), get("k_bias"), get("v_bias")])
-        self.qkv = Linear(torch.cat([get("q"), get("k"), get("v")]), bias)
-        self.o = Linear(get("o"))
-        self.q_norm = RMSNorm(get("q_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(get("k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.gate_up = Linear(torch.cat([get("gate"), get("up")]))
-        self.down = Linear(get("down"))
+        self.qkv = linear(concat_rows([get("q"), get("k"), get("v")]), bias)
+        self.o = linear(get("o"))
+        self.q_norm = RMSNorm(dense("q_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(dense("k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.gate_up = linear(concat_rows([get("gate"), get("up")]))
+        self.down = linear(get("down"))
         self.inter = cfg.intermediate_size
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
@@ -114,19 +102,33 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], num_layers: int | None = None):
+    def __init__(self, cfg: ModelConfig, weights: dict, num_layers: int | None = None,
+                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu"):
+        """weights: dense tensors and/or `QuantizedWeight`s; dense ones are cast to `dtype`
+        (default: the embedding's), quantized ones are packed on `device` for its kernels."""
         super().__init__()
         self.cfg = cfg
         n = cfg.num_layers if num_layers is None else num_layers
         missing = [k for k in ("embed", "norm") if k not in weights]
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing}")
-        self.embed = nn.Parameter(weights["embed"], requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, f"layers.{i}.") for i in range(n))
-        self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
-        head = weights["embed"] if cfg.tie_word_embeddings or "lm_head" not in weights else weights["lm_head"]
-        self.lm_head = Linear(head)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        embed = weights["embed"]
+        quantized_embed = isinstance(embed, QuantizedWeight)
+        dtype = dtype or (torch.bfloat16 if quantized_embed else embed.dtype)
+        device = torch.device(device)
+        # The lookup needs dense rows; a quantized table is dequantized once (exact values).
+        table = (embed.dequantize() if quantized_embed else embed).to(device=device, dtype=dtype)
+        self.embed = nn.Parameter(table, requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, f"layers.{i}.", dtype, device) for i in range(n))
+        self.norm = RMSNorm(weights["norm"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
+        tied = cfg.tie_word_embeddings or "lm_head" not in weights
+        if tied and quantized_embed:
+            # Past a few rows the dense table (already in memory for the lookup) beats the
+            # two-plane 8-bit kernel: 6.8 vs 11.8 ms at 16 rows for SmolLM2's 49152 x 576.
+            self.lm_head = make_linear(embed, dtype, device, dense=self.embed, kernel_max_rows=8)
+        else:
+            self.lm_head = make_linear(embed if tied else weights["lm_head"], dtype, device)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,8 +1,10 @@
 """Checkpoint loading: an HF directory (config.json + *.safetensors) or a single .gguf file.
 
-Both forms come out as one `ModelConfig` plus a dict of tensors under verispec's own names
+Both forms come out as one `ModelConfig` plus a dict of weights under verispec's own names
 (`embed`, `layers.{i}.q`, ..., `norm`, `lm_head`) in [out, in] layout, so the model module never
-knows where its weights came from.
+knows where its weights came from. A weight is a dense fp32/dtype tensor, or, in the quantized
+tier, a `QuantizedWeight` (GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are in the file, or
+round-to-nearest codes of an HF checkpoint's matrices).
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ import numpy as np
 import torch
 
 from verispec.models.config import ModelConfig
+from verispec.models.quant import QuantizedWeight, from_gguf_blocks, quantize_rtn
+
+QUANTIZATIONS = ("gguf", "int4", "int8")
+_EXACT_GGUF = ("Q4_0", "Q4_1", "Q8_0")  # decoded into QuantizedWeight without rounding
+_DENSE_GGUF = ("F32", "F16", "BF16")
+# The matrices of a decoder layer; embeddings and the lm_head are quantized separately.
+_LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 
 # HF per-layer names -> ours.
 _HF_LAYER = {
@@ -74,11 +83,53 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_checkpoint(model: str, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(
+    model: str, dtype: torch.dtype, quantization: str | None = None
+) -> tuple[ModelConfig, dict[str, "torch.Tensor | QuantizedWeight"]]:
+    """Weights in `dtype` (dense), or with the matrices quantized as `quantization` asks:
+    "gguf" keeps the file's blocks, "int4" / "int8" round each layer matrix to nearest in groups of
+    32. The embedding and lm_head never go below 8 bits: at 4 bits they alone break the fast tier's
+    fidelity bar."""
     path = resolve_model_path(model)
-    if path.is_file():
-        return _load_gguf(path, dtype)
-    return _load_hf_dir(path, dtype)
+    if quantization == "gguf":
+        return _load_gguf(path, dtype, keep_blocks=True)
+    if quantization is None:
+        return _load_gguf(path, dtype) if path.is_file() else _load_hf_dir(path, dtype)
+    cfg, weights = _load_gguf(path, torch.float32) if path.is_file() else _load_hf_dir(path, torch.float32)
+    for name, w in weights.items():
+        if w.dim() == 2 and w.shape[1] % 32 == 0:
+            layer_matrix = name.startswith("layers.") and name.rsplit(".", 1)[-1] in _LAYER_MATRICES
+            weights[name] = quantize_rtn(w, 4 if quantization == "int4" and layer_matrix else 8)
+        else:
+            weights[name] = w.to(dtype)
+    return cfg, weights
+
+
+def resolve_precision(
+    model: str, dtype: torch.dtype | None, quantization: str | None, device: torch.device
+) -> tuple[torch.dtype, str | None]:
+    """(dtype, quantization) from the user's choice, with dtype=None meaning "auto": a GGUF file
+    runs quantized in bfloat16, an HF checkpoint in its own torch_dtype, as vLLM does."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))} or None; got {quantization!r}")
+    path = resolve_model_path(model)
+    if quantization == "gguf" and not path.is_file():
+        raise ValueError("quantization='gguf' needs a .gguf model file; use 'int4' or 'int8' for an HF checkpoint")
+    if dtype is None:
+        if quantization is None and path.is_file():
+            quantization = "gguf"
+        dtype = torch.bfloat16 if quantization or path.is_file() else _hf_dtype(path)
+    if quantization is not None and dtype != torch.bfloat16:
+        raise ValueError(
+            f"quantization={quantization!r} computes in bfloat16 (the int4 kernels' activations); use "
+            "dtype='bfloat16' or 'auto', or quantization=None with dtype='float32' for the exact tier"
+        )
+    return dtype, quantization
+
+
+def _hf_dtype(path: Path) -> torch.dtype:
+    name = json.loads((path / "config.json").read_text()).get("torch_dtype") or "float32"
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------- HF
@@ -153,18 +204,18 @@ def _gguf_config(reader) -> ModelConfig:
     )
 
 
-def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF's half split).
 
     The converter grouped each head's rows as (half, pair) and swapped them to (pair, half);
-    this is the inverse reshape, as transformers' GGUF conversion does it.
-    """
-    rows = w.shape[0]
+    this is the inverse reshape, as transformers' GGUF conversion does it, as a row index."""
     half = rows // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return torch.arange(rows).view(n_head, half, 2).transpose(1, 2).reshape(rows)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
+    """keep_blocks: Q4_0 / Q4_1 / Q8_0 matrices stay quantized as in the file; other quantized
+    types (K-quants and the like) are re-quantized to 8 bits, which loses next to nothing."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -172,19 +223,25 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     cfg = _gguf_config(reader)
     # llama.cpp permutes q/k only for the llama-style rotary layout; Qwen GGUFs keep HF's order.
     permuted = cfg.architecture in ("llama", "mistral")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     for t in reader.tensors:
         ours = _gguf_name(t.name)
         if ours is None:
             continue
-        array = dequantize(t.data, t.tensor_type)
-        # GGUF lists dims innermost-first; numpy data is already [out, in] after dequantize.
-        array = array.reshape([int(d) for d in reversed(t.shape)])
-        if permuted and ours.endswith(".q"):
-            array = _unpermute_rope(array, cfg.num_heads)
-        elif permuted and ours.endswith(".k"):
-            array = _unpermute_rope(array, cfg.num_kv_heads)
-        weights[ours] = torch.from_numpy(np.array(array, dtype=np.float32, order="C")).to(dtype)
+        # GGUF lists dims innermost-first; the data is [out, in] once dequantized.
+        shape = [int(d) for d in reversed(t.shape)]
+        kind = t.tensor_type.name
+        if keep_blocks and kind in _EXACT_GGUF:
+            w = from_gguf_blocks(t.data, kind, tuple(shape))
+        else:
+            array = dequantize(t.data, t.tensor_type).reshape(shape)
+            w = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+            if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % 32 == 0:
+                w = quantize_rtn(w, 8)
+        if permuted and (ours.endswith(".q") or ours.endswith(".k")):
+            perm = _unpermute_rows(shape[0], cfg.num_heads if ours.endswith(".q") else cfg.num_kv_heads)
+            w = w.map_rows(lambda x: x[perm]) if isinstance(w, QuantizedWeight) else w[perm]
+        weights[ours] = w.to(dtype) if isinstance(w, torch.Tensor) else w
     return cfg, weights
 
 

@@ -13,14 +13,18 @@ import torch
 from verispec.config import SpeculativeConfig
 from verispec.engine.kv_cache import KVCacheTensors
 from verispec.models.llama import LlamaModel
-from verispec.models.loader import load_checkpoint, load_tokenizer
+from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
 from verispec.spec_decode.drafter import ModelDrafter
 
 
 class DraftModelDrafter(ModelDrafter):
     def __init__(self, cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, engine_config):
         super().__init__(cfg)
-        model_cfg, weights = load_checkpoint(cfg.model, engine_config.dtype)
+        # The target's tier; a "gguf" target with an HF draft runs the draft dense in that dtype.
+        quantization = engine_config.quantization
+        if quantization == "gguf" and not resolve_model_path(cfg.model).is_file():
+            quantization = None
+        model_cfg, weights = load_checkpoint(cfg.model, engine_config.dtype, quantization)
         if model_cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError(
                 f"speculative_config.model has a vocabulary of {model_cfg.vocab_size} tokens but the "
@@ -29,7 +33,7 @@ class DraftModelDrafter(ModelDrafter):
         tokenizer = load_tokenizer(cfg.model)
         if tokenizer is not None and target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError("speculative_config.model uses a different tokenizer from the target's")
-        self.model = LlamaModel(model_cfg, weights).to(engine_config.device).eval()
+        self.model = LlamaModel(model_cfg, weights, dtype=engine_config.dtype, device=engine_config.device).eval()
         self.kv: KVCacheTensors | None = None
 
     def model_and_cache(self, runner):

@@ -1,0 +1,152 @@
+"""Linear layers: dense weights, or quantized weights kept packed for torch's int4 kernels.
+
+Dense weights are held transposed ([in, out]): on this CPU class `x @ W_t` beats
+`F.linear(x, W)` by up to 2x for the skinny decode shapes (see docs/design.md).
+
+A quantized matrix runs through `_weight_int4pack_mm` (CUDA) / `_weight_int4pack_mm_for_cpu`,
+which compute w = (c - 8) * S + Z per group of 32 with codes c in 0..15. Both of our formats map
+onto it without re-quantizing (see `verispec.models.quant`):
+- 4 bits, w = scale * q + offset: one plane, c = q, S = scale, Z = offset + 8 * scale;
+- 8 bits, w = scale * q: two planes, q = 16 * hi + lo, so w = 16 * scale * hi + scale * lo with
+  (c = hi + 8, S = 16 * scale, Z = 0) and (c = lo, S = scale, Z = 8 * scale).
+Only S and Z are rounded (to the activations' dtype). The kernels read 4 bits per weight and pay
+per row of x, so they win for decode-sized batches; past `kernel_max_rows` rows (prefill
+chunks) the matrix is dequantized for the step and runs as a dense matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.models.quant import QuantizedWeight
+
+# Measured on a 2-core AVX-512 CPU (576 x 1536, bf16): the int4 kernel costs ~11 us per row of x
+# past 4 rows; a dequantize (0.7 ms) plus a bf16 matmul overtakes it at about 128 rows.
+KERNEL_MAX_ROWS = 64
+_CPU_BLOCK_N = 64  # the CPU packing interleaves rows in blocks of 64 (see _cpu_codes_t)
+
+
+class Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W_t in one fused op (no bias: o and down projections have none)."""
+        return torch.addmm(residual, x, self.weight_t)
+
+
+class Int4Plane(nn.Module):
+    """One int4 kernel operand: packed codes and the [K/G, N, 2] scales and zeros."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        n, k = codes.shape
+        self.n, self.k, self.group_size = n, k, group_size
+        self.cuda_kernel = device.type == "cuda"
+        pad = -n % (8 if self.cuda_kernel else _CPU_BLOCK_N)
+        if pad:  # padded rows have zero scale and zero: they compute 0 and are sliced off
+            codes = F.pad(codes, (0, 0, 0, pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        self.register_buffer("packed", _pack(codes.to(device), self.cuda_kernel), persistent=False)
+        sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", sz.to(device=device, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cuda_kernel:
+            y = torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return y if y.shape[-1] == self.n else y[..., : self.n]
+
+    def dense_t(self) -> torch.Tensor:
+        """The dequantized [K, N] matrix in the activations' dtype."""
+        sz = self.scales_and_zeros
+        if self.cuda_kernel:  # the kernel applied to the identity is the layout-free dequantize
+            eye = torch.eye(self.k, dtype=sz.dtype, device=sz.device)
+            return torch.ops.aten._weight_int4pack_mm(eye, self.packed, self.group_size, sz)[:, : self.n]
+        codes = _cpu_codes_t(self.packed, self.k)  # [K, N_padded]
+        groups = self.k // self.group_size
+        w = codes.view(groups, self.group_size, -1).to(sz.dtype).sub_(8)
+        w = torch.addcmul(sz[None, :, :, 1].transpose(0, 1), w, sz[None, :, :, 0].transpose(0, 1))
+        return w.view(self.k, -1)[:, : self.n]
+
+
+def _pack(codes: torch.Tensor, cuda_kernel: bool) -> torch.Tensor:
+    if not cuda_kernel:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    k = codes.shape[1]
+    inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+    pairs = (codes[:, ::2].to(torch.uint8) << 4) | codes[:, 1::2].to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+
+
+def _cpu_codes_t(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Codes as [K, N] from the CPU packing: viewed as [N/64, K, 32] bytes, the low nibble of byte
+    j holds row 64b + j and the high nibble row 64b + 32 + j (a test pins this layout)."""
+    blocks = packed.view(-1, k, _CPU_BLOCK_N // 2)
+    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N/64, K, 64]
+    return codes.transpose(0, 1).reshape(k, -1)
+
+
+class QuantLinear(nn.Module):
+    """A quantized matrix on the int4 kernels: one plane for 4 bits, two for 8 bits.
+
+    `dense` is an existing [N, K] copy of the same values (the tied embedding table) used past
+    `kernel_max_rows` instead of dequantizing."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device,
+                 bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                 kernel_max_rows: int = KERNEL_MAX_ROWS):
+        super().__init__()
+        g = weight.group_size
+        if weight.bits == 4:
+            specs = [(weight.codes, weight.scale, weight.offset + 8 * weight.scale)]
+        else:
+            hi = torch.div(weight.codes, 16, rounding_mode="floor").to(torch.int16)
+            lo = weight.codes.to(torch.int16) - 16 * hi
+            specs = [(hi + 8, 16 * weight.scale, torch.zeros_like(weight.scale)), (lo, weight.scale, 8 * weight.scale)]
+        self.planes = nn.ModuleList(Int4Plane(c.to(torch.uint8), s, z, g, dtype, device) for c, s, z in specs)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+        self.dense = dense
+        self.kernel_max_rows = kernel_max_rows
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.kernel_max_rows:
+            y = self.planes[0](x)
+            for plane in self.planes[1:]:
+                y = y + plane(x)
+            return y
+        if self.dense is not None:
+            return F.linear(x, self.dense)
+        w_t = self.planes[0].dense_t()
+        for plane in self.planes[1:]:
+            w_t = w_t + plane.dense_t()
+        return x @ w_t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self._matmul(x)
+
+
+def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None,
+                **quant_options) -> nn.Module:
+    """A dense `Linear` for a tensor; a `QuantLinear` for a `QuantizedWeight` whose K the kernels
+    take (a multiple of the group size), else its dense values."""
+    if isinstance(weight, QuantizedWeight):
+        if weight.shape[1] % weight.group_size == 0 and weight.group_size in (32, 64, 128, 256):
+            return QuantLinear(weight, dtype, device, bias, **quant_options)
+        weight = weight.dequantize()
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    return Linear(weight.to(device=device, dtype=dtype), bias)

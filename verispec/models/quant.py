@@ -1,0 +1,123 @@
+"""Group-wise quantized weights: what the loader hands over when a matrix stays quantized.
+
+A `QuantizedWeight` is an [N, K] matrix stored as integer codes in groups of `group_size` along K:
+
+- 4 bits: codes 0..15, w = scale * q + offset (one scale and one offset per group). GGUF's Q4_1
+  is exactly this (offset = m); Q4_0 is offset = -8 * scale; round-to-nearest for HF checkpoints
+  is the asymmetric form (offset = the group's minimum).
+- 8 bits: codes -128..127, w = scale * q. GGUF's Q8_0 is exactly this; so is the symmetric
+  round-to-nearest form for HF checkpoints.
+
+The record is kernel-agnostic: `verispec.models.linear` decides how a kernel consumes it. Scales
+stay in fp32 here, so `dequantize()` reproduces the file's values exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+GROUP_SIZE = 32  # GGUF's block size; also torch's smallest int4 kernel group
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    bits: int  # 4 or 8
+    codes: torch.Tensor  # [N, K] uint8 (4 bits, values 0..15) or int8 (8 bits)
+    scale: torch.Tensor  # [N, K // group_size] float32
+    offset: torch.Tensor | None  # [N, K // group_size] float32; None for 8 bits
+    group_size: int = GROUP_SIZE
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact fp32 matrix the codes stand for."""
+        n, k = self.codes.shape
+        q = self.codes.float().view(n, k // self.group_size, self.group_size)
+        w = q * self.scale[..., None]
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.view(n, k)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedWeight":
+        """Apply a row permutation (the same for codes, scales and offsets)."""
+        return QuantizedWeight(
+            self.bits, fn(self.codes), fn(self.scale), None if self.offset is None else fn(self.offset),
+            self.group_size,
+        )
+
+
+def concat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":
+    """Stack matrices along N (q|k|v, gate|up): one weight read per layer instead of several.
+
+    Parts of one quantized format stay quantized; a mix falls back to the dense fp32 values."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    first = parts[0]
+    same = all(
+        isinstance(p, QuantizedWeight) and p.bits == first.bits and p.group_size == first.group_size
+        for p in parts
+    )
+    if not same:
+        return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.float() for p in parts])
+    return QuantizedWeight(
+        first.bits,
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scale for p in parts]),
+        None if first.offset is None else torch.cat([p.offset for p in parts]),
+        first.group_size,
+    )
+
+
+# ------------------------------------------------------------------------------------ from GGUF
+def _halves(raw: np.ndarray, start: int, count: int = 1) -> np.ndarray:
+    """`count` float16 values at byte `start` of every block, as float32 [blocks, count]."""
+    return raw[:, start : start + 2 * count].copy().view(np.float16).astype(np.float32)
+
+
+def from_gguf_blocks(data: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """Q4_0, Q4_1 or Q8_0 blocks of 32 weights, decoded without rounding anything.
+
+    Layouts: Q4_0 = f16 d + 16 bytes of nibbles; Q4_1 = f16 d, f16 m + 16 bytes; Q8_0 = f16 d +
+    32 int8. In a 4-bit block the low nibbles are weights 0..15 and the high nibbles 16..31."""
+    n, k = shape
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[kind]
+    raw = np.ascontiguousarray(data).reshape(n * k // GROUP_SIZE, -1)
+    d = torch.from_numpy(_halves(raw, 0)[:, 0]).view(n, k // GROUP_SIZE)
+    if kind == "Q8_0":
+        codes = torch.from_numpy(raw[:, head:].copy().view(np.int8)).view(n, k)
+        return QuantizedWeight(8, codes, d, None)
+    packed = raw[:, head:]
+    codes = torch.from_numpy(np.concatenate([packed & 0x0F, packed >> 4], axis=1)).view(n, k)
+    if kind == "Q4_0":
+        offset = -8.0 * d
+    else:
+        offset = torch.from_numpy(_halves(raw, 2)[:, 0]).view(n, k // GROUP_SIZE)
+    return QuantizedWeight(4, codes, d, offset)
+
+
+# ------------------------------------------------------------------------- round to nearest
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = GROUP_SIZE) -> QuantizedWeight:
+    """Round-to-nearest group-wise quantization of a dense [N, K] matrix (K % group_size == 0).
+
+    4 bits is asymmetric (the group's min..max onto 0..15), 8 bits symmetric (max |w| onto 127),
+    the forms of GGUF's Q4_1 and Q8_0."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)
+    if bits == 4:
+        lo, hi = w.amin(-1), w.amax(-1)
+        scale = (hi - lo) / 15
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+        return QuantizedWeight(4, codes.view(n, k), scale, lo, group_size)
+    if bits == 8:
+        scale = w.abs().amax(-1) / 127
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+        return QuantizedWeight(8, codes.view(n, k), scale, None, group_size)
+    raise ValueError(f"bits must be 4 or 8; got {bits}")
