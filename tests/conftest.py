@@ -114,7 +114,8 @@ def smollm2_path() -> str:
 def smollm2_llm():
     from verispec import LLM
 
-    return LLM(max_num_batched_tokens=64, num_kv_blocks=256)
+    # The exact tier: tests compare it with the HF fp32 oracle.
+    return LLM(dtype="float32", max_num_batched_tokens=64, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
-SAME_ENGINE = ("--max-num-batched-tokens", "64", "--num-kv-blocks", "256")
+SAME_ENGINE = ("--dtype", "float32", "--max-num-batched-tokens", "64", "--num-kv-blocks", "256")
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
@@ -42,7 +42,7 @@ def server():
 @pytest.fixture(scope="module")
 def spec_server():
     """Speculation on (adaptive verification, its cost profiled at start-up), no API key."""
-    srv = ServerProcess("--speculative-config",
+    srv = ServerProcess("--dtype", "float32", "--speculative-config",
                         '{"method": "ngram", "num_speculative_tokens": 3, "adaptive_verification": true}')
     yield srv
     srv.stop()

@@ -158,8 +158,8 @@ class EngineConfig:
     """Resolved engine options. Built by `LLM` from its keyword arguments."""
 
     model: str | None = None
-    # None until the engine resolves "auto" from the checkpoint (see loader.resolve_precision).
-    dtype: torch.dtype | None = torch.float32
+    # None ("auto") until the engine resolves it from the checkpoint (loader.resolve_precision).
+    dtype: torch.dtype | None = None
     quantization: str | None = None  # "gguf", "int4", "int8": weights stay packed (the fast tier)
     device: torch.device = torch.device("cpu")
     max_model_len: int | None = None
@@ -182,7 +182,7 @@ class EngineConfig:
     def create(
         cls,
         *,
-        dtype: "str | torch.dtype" = "float32",
+        dtype: "str | torch.dtype | None" = "auto",
         device: "str | torch.device" = "auto",
         logprobs_mode: "LogprobsMode | str" = LogprobsMode.RAW_LOGPROBS,
         speculative_config: "SpeculativeConfig | dict | None" = None,

@@ -50,7 +50,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         model_path = config.model or default_model_path()
         self.model_path = model_path
-        config.dtype, config.quantization = resolve_precision(model_path, config.dtype, config.quantization, config.device)
+        config.dtype, config.quantization = resolve_precision(model_path, config.dtype, config.quantization)
         model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
         self.model_config = model_cfg
         self.model = LlamaModel(model_cfg, weights, dtype=config.dtype, device=config.device).eval()

@@ -12,7 +12,12 @@ from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: a GGUF file runs quantized in bfloat16 (the fast tier), an HF checkpoint in "
+                        "its own dtype; float32 is the exact tier")
+    p.add_argument("--quantization", default=None, choices=["gguf", "int4", "int8"],
+                   help="weights stay packed on int4 kernels: gguf keeps a GGUF file's blocks, int4/int8 "
+                        "round an HF checkpoint's (default: gguf for a GGUF file under --dtype auto)")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--logprobs-mode", default="raw_logprobs",
@@ -109,7 +114,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_logprobs=args.prompt_logprobs,
     )
     llm = LLM(
-        args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
         speculative_config=_speculative_config(args),
     )
@@ -140,7 +146,8 @@ def _serve(args: argparse.Namespace) -> int:
     from verispec.entrypoints.openai.api_server import ServerConfig, run_server
 
     engine = EngineConfig.create(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
         seed=args.seed if args.seed is not None else 0, logprobs_mode=args.logprobs_mode,
@@ -169,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from verispec.bench import run
 
-            return run(args, dict(model=args.model, dtype=args.dtype, device=args.device,
+            return run(args, dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                  device=args.device,
                                   max_model_len=args.max_model_len, speculative_config=_speculative_config(args)))
     except ValueError as exc:  # bad options: one clear line, no traceback
         print(f"verispec: error: {exc}", file=sys.stderr)

@@ -23,7 +23,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str = "auto",
         quantization: str | None = None,
         device: str = "auto",
         max_model_len: int | None = None,

@@ -7,8 +7,8 @@ A quantized matrix runs through `_weight_int4pack_mm` (CUDA) / `_weight_int4pack
 which compute w = (c - 8) * S + Z per group of 32 with codes c in 0..15. Both of our formats map
 onto it without re-quantizing (see `verispec.models.quant`):
 - 4 bits, w = scale * q + offset: one plane, c = q, S = scale, Z = offset + 8 * scale;
-- 8 bits, w = scale * q: two planes, q = 16 * hi + lo, so w = 16 * scale * hi + scale * lo with
-  (c = hi + 8, S = 16 * scale, Z = 0) and (c = lo, S = scale, Z = 8 * scale).
+- 8 bits, w = scale * q: two planes, q = 16 * hi + lo, so w = (16 * scale * hi + 8 * scale) +
+  scale * (lo - 8), that is (c = hi + 8, S = 16 * scale, Z = 8 * scale) and (c = lo, S = scale, Z = 0).
 Only S and Z are rounded (to the activations' dtype). The kernels read 4 bits per weight and pay
 per row of x, so they win for decode-sized batches; past `kernel_max_rows` rows (prefill
 chunks) the matrix is dequantized for the step and runs as a dense matmul.
@@ -113,7 +113,10 @@ class QuantLinear(nn.Module):
         else:
             hi = torch.div(weight.codes, 16, rounding_mode="floor").to(torch.int16)
             lo = weight.codes.to(torch.int16) - 16 * hi
-            specs = [(hi + 8, 16 * weight.scale, torch.zeros_like(weight.scale)), (lo, weight.scale, 8 * weight.scale)]
+            # The coarse plane carries the value (and the +8s that centres the fine plane's codes),
+            # the fine plane a zero-mean correction: two large partial sums of opposite sign would
+            # lose the result to the bf16 rounding of each kernel's output.
+            specs = [(hi + 8, 16 * weight.scale, 8 * weight.scale), (lo, weight.scale, torch.zeros_like(weight.scale))]
         self.planes = nn.ModuleList(Int4Plane(c.to(torch.uint8), s, z, g, dtype, device) for c, s, z in specs)
         self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
         self.dense = dense

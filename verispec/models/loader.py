@@ -105,13 +105,12 @@ def load_checkpoint(
     return cfg, weights
 
 
-def resolve_precision(
-    model: str, dtype: torch.dtype | None, quantization: str | None, device: torch.device
-) -> tuple[torch.dtype, str | None]:
+def resolve_precision(model: str, dtype: torch.dtype | None, quantization: str | None) -> tuple[torch.dtype, str | None]:
     """(dtype, quantization) from the user's choice, with dtype=None meaning "auto": a GGUF file
     runs quantized in bfloat16, an HF checkpoint in its own torch_dtype, as vLLM does."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))} or None; got {quantization!r}")
+        choices = ", ".join(map(repr, QUANTIZATIONS))
+        raise ValueError(f"quantization must be one of {choices} or None; got {quantization!r}")
     path = resolve_model_path(model)
     if quantization == "gguf" and not path.is_file():
         raise ValueError("quantization='gguf' needs a .gguf model file; use 'int4' or 'int8' for an HF checkpoint")
@@ -128,7 +127,8 @@ def resolve_precision(
 
 
 def _hf_dtype(path: Path) -> torch.dtype:
-    name = json.loads((path / "config.json").read_text()).get("torch_dtype") or "float32"
+    config = json.loads((path / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"  # transformers 5 writes "dtype"
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
 
 

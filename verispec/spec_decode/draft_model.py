@@ -33,7 +33,8 @@ class DraftModelDrafter(ModelDrafter):
         tokenizer = load_tokenizer(cfg.model)
         if tokenizer is not None and target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError("speculative_config.model uses a different tokenizer from the target's")
-        self.model = LlamaModel(model_cfg, weights, dtype=engine_config.dtype, device=engine_config.device).eval()
+        self.model = LlamaModel(model_cfg, weights, dtype=engine_config.dtype,
+                                device=engine_config.device).eval()
         self.kv: KVCacheTensors | None = None
 
     def model_and_cache(self, runner):

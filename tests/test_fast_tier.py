@@ -1,0 +1,135 @@
+"""The precision tiers end to end: how dtype / quantization resolve, the fast tier's fidelity bar
+against the HF fp32 oracle, and exactness *within* a tier (speculative output equals plain
+output, logprobs come from the tier's own distribution)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.fidelity import KL_BAR, measure, verispec_logprobs
+from conftest import random_prompts
+from verispec import LLM, SamplingParams
+from verispec.models.loader import resolve_precision
+from verispec.models.quant import QuantizedWeight
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# Within one tier, speculative and plain rows go through the same kernels but in batches of a
+# different row count; bf16 logits round at 2^-9 relative, so logprobs may move by ~1e-3 at most.
+WITHIN_TIER_LOGPROB_TOL = 1e-3
+
+
+def test_auto_resolves_from_the_checkpoint(smollm2_path, tiny_llama):
+    assert resolve_precision(smollm2_path, None, None) == (torch.bfloat16, "gguf")
+    assert resolve_precision(smollm2_path, torch.float32, None) == (torch.float32, None)
+    assert resolve_precision(tiny_llama, None, None) == (torch.float32, None)  # its config.json says float32
+    assert resolve_precision(tiny_llama, None, "int4") == (torch.bfloat16, "int4")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"quantization": "gguf"}, "quantization='gguf' needs a .gguf"),
+    ({"quantization": "int3"}, "quantization must be"),
+    ({"quantization": "int4", "dtype": "float32"}, "computes in bfloat16"),
+    ({"dtype": "float8"}, "dtype must be one of"),
+])
+def test_bad_precision_options_name_the_field(tiny_llama, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny_llama, **kwargs)
+
+
+def test_int4_keeps_layers_at_4_bits_and_the_embedding_at_8(tiny_llama):
+    from verispec.models.loader import load_checkpoint
+
+    _, weights = load_checkpoint(tiny_llama, torch.bfloat16, "int4")
+    assert weights["layers.0.q"].bits == 4 and weights["layers.0.down"].bits == 4
+    assert isinstance(weights["embed"], QuantizedWeight) and weights["embed"].bits == 8
+    assert weights["norm"].dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_fast_tier_meets_the_fidelity_bar_on_a_sample(smollm2_hf):
+    """The bar (mean KL <= 2e-3 nats, top-1 >= 97 %) is set over 16 prompts x 128 tokens, which
+    the benchmark measures; this sample of ~250 tokens keeps the KL bar and widens the top-1
+    allowance by three binomial standard deviations (sqrt(0.97 * 0.03 / 250) ~ 1.1 %)."""
+    from benchmarks.prompts import chat_prompts
+
+    llm = LLM(dtype="auto", num_kv_blocks=64)
+    assert llm.engine.config.quantization == "gguf"
+    prompts = [p.ids for p in chat_prompts(llm.get_tokenizer(), 8)]
+    fid = measure(smollm2_hf, llm.engine.model, prompts, 32)
+    print(f"fast tier vs HF fp32 over {fid.tokens} tokens: mean KL {fid.mean_kl:.2e}, top-1 {fid.top1:.1%}, "
+          f"max |logprob diff| {fid.max_logprob_diff:.3f}")
+    assert fid.tokens >= 200
+    assert fid.mean_kl <= KL_BAR
+    assert fid.top1 >= 0.97 - 3 * 0.011
+
+
+def assert_same_output(base, spec) -> float:
+    """Identical greedy ids; returns the largest logprob difference, asserted within tolerance."""
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    gap = 0.0
+    for a, b in zip(base, spec):
+        for ea, eb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert ea.keys() == eb.keys()
+            gap = max(gap, max(abs(ea[t].logprob - eb[t].logprob) for t in ea))
+    assert gap <= WITHIN_TIER_LOGPROB_TOL
+    return gap
+
+
+# Open: in bf16, a row computed in a batch of another size (a verify step's 1 + k rows against a
+# plain step's one) can round differently (the dense bf16 tier shows it too), and the difference
+# grows through the KV cache until a near-tie flips. Batch-invariant decode attention is the fix.
+BF16_DRIFT = pytest.mark.xfail(reason="bf16 rows drift with the batch's row count", strict=False)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize("spec", [
+    NGRAM,
+    pytest.param({"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2}, marks=BF16_DRIFT),
+    dict(NGRAM, adaptive_verification=True, cost_table=[[1, 1.0], [64, 1.2]]),
+])
+def test_speculative_equals_plain_within_the_quantized_tier(tiny_llama, quantization, spec):
+    prompts = random_prompts(4, 8, 40, seed=21)
+    prompts = [p + p[:12] for p in prompts]  # repeats give prompt lookup something to find
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    kw = dict(quantization=quantization, max_num_batched_tokens=64)
+    base = LLM(tiny_llama, **kw).generate(prompts, params, use_tqdm=False)
+    out = LLM(tiny_llama, speculative_config=spec, **kw).generate(prompts, params, use_tqdm=False)
+    gap = assert_same_output(base, out)
+    print(f"{quantization} {spec['method']}: max |logprob spec - plain| = {gap:.2e}")
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_quantized_tier_logprobs_come_from_its_own_distribution(tiny_llama, mode):
+    """Greedy decode in the int4 tier: each emitted token is the argmax of the tier's own
+    distribution, and its reported score is that distribution's (teacher-forced through the
+    same model, one token per step, as the engine decodes)."""
+    llm = LLM(tiny_llama, quantization="int4", logprobs_mode=mode)
+    prompt = random_prompts(1, 20, 20, seed=22)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    tokens = list(out.outputs[0].token_ids)
+    ref = verispec_logprobs(llm.engine.model, prompt, tokens)  # [12, vocab] log-softmax
+    assert tokens == ref.argmax(-1).tolist()
+    for row, tok, entry in zip(ref, tokens, out.outputs[0].logprobs):
+        got = entry[tok].logprob
+        if mode.endswith("logprobs"):
+            assert abs(got - float(row[tok])) <= WITHIN_TIER_LOGPROB_TOL
+        else:  # logits: the same distribution up to its normaliser
+            assert abs(got - max(v.logprob for v in entry.values())) <= WITHIN_TIER_LOGPROB_TOL
+        assert entry[tok].rank == 1
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+
+
+@pytest.mark.slow
+@BF16_DRIFT
+def test_smollm2_fast_tier_speculative_equals_plain():
+    tok_prompt = "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. " * 3
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    base = LLM(num_kv_blocks=64).generate([tok_prompt], params, use_tqdm=False)
+    spec_llm = LLM(num_kv_blocks=64, speculative_config=NGRAM)
+    out = spec_llm.generate([tok_prompt], params, use_tqdm=False)
+    assert spec_llm.engine.config.quantization == "gguf"
+    assert spec_llm.stats()["num_accepted_tokens"] > 0
+    gap = assert_same_output(base, out)
+    print(f"SmolLM2 fast tier: max |logprob spec - plain| = {gap:.2e}")

@@ -1,0 +1,106 @@
+"""Quantized weights (verispec.models.quant) and the linear layers that run them (models.linear).
+
+Decoding is checked for bit-exactness against the gguf package's own dequantize; the kernels
+against the dequantized fp32 matrix, within the rounding bound of bf16 arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verispec.models.linear import QuantLinear, _cpu_codes_t, make_linear
+from verispec.models.quant import QuantizedWeight, concat_rows, from_gguf_blocks, quantize_rtn
+
+BF16_EPS = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_exactly(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[kind]
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    blocks = quantize(w, qtype)
+    ours = from_gguf_blocks(blocks, kind, (48, 96))
+    assert ours.bits == (8 if kind == "Q8_0" else 4)
+    assert torch.equal(ours.dequantize(), torch.from_numpy(dequantize(blocks, qtype).reshape(48, 96)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_round_to_nearest_is_within_half_a_step(bits):
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(1)) * 3
+    q = quantize_rtn(w, bits)
+    err = (q.dequantize() - w).abs().view(32, 4, 32)
+    assert (err <= q.scale[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
+    if bits == 4:
+        assert int(q.codes.max()) == 15 and int(q.codes.min()) == 0
+    else:
+        assert int(q.codes.abs().max()) == 127
+
+
+def test_concat_rows_keeps_one_format_and_falls_back_to_dense_for_a_mix():
+    g = torch.Generator().manual_seed(2)
+    a, b = quantize_rtn(torch.randn(16, 64, generator=g), 4), quantize_rtn(torch.randn(8, 64, generator=g), 4)
+    both = concat_rows([a, b])
+    assert isinstance(both, QuantizedWeight) and both.shape == (24, 64)
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    c = quantize_rtn(torch.randn(8, 64, generator=g), 8)
+    mixed = concat_rows([a, c])
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([a.dequantize(), c.dequantize()]))
+
+
+def test_cpu_packing_layout_is_the_one_dequantize_reads():
+    codes = torch.randint(0, 16, (128, 96), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(_cpu_codes_t(packed, 96).to(torch.int32), codes.t())
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, slack: float) -> torch.Tensor:
+    """Elementwise error bound of a bf16 matmul: rounding x, the kernel's scales / zeros and the
+    output each cost one bf16 unit relative to |x| @ |w|^T (accumulation is fp32)."""
+    return slack * BF16_EPS * (x.abs() @ w.abs().t())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 7, 100])  # 100 > kernel_max_rows: the dequantized dense path
+@pytest.mark.parametrize("n", [96, 200])  # 200 is not a multiple of the packing's 64-row blocks
+def test_quant_linear_matches_the_dequantized_matrix(bits, rows, n):
+    g = torch.Generator().manual_seed(bits * 1000 + rows + n)
+    q = quantize_rtn(torch.randn(n, 128, generator=g), bits)
+    bias = torch.randn(n, generator=g)
+    layer = make_linear(q, torch.bfloat16, torch.device("cpu"), bias)
+    assert isinstance(layer, QuantLinear) and len(layer.planes) == (1 if bits == 4 else 2)
+    x = torch.randn(rows, 128, generator=g)
+    w = q.dequantize()
+    y = layer(x.bfloat16())
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    ref = x @ w.t() + bias
+    # Two planes add one more bf16 rounding of a partial result.
+    assert ((y.float() - ref).abs() <= _bound(x, w, 4.0 if bits == 4 else 6.0) + BF16_EPS * bias.abs()).all()
+    residual = torch.randn(rows, n, generator=g).bfloat16()
+    out = layer.forward_residual(x.bfloat16(), residual)
+    assert ((out.float() - (residual.float() + x @ w.t())).abs()
+            <= _bound(x, w, 6.0 if bits == 4 else 8.0) + BF16_EPS * residual.float().abs()).all()
+
+
+def test_a_matrix_the_kernels_cannot_take_runs_dense():
+    q = quantize_rtn(torch.randn(16, 64), 4)
+    q = QuantizedWeight(4, q.codes[:, :48], q.scale[:, :1].repeat(1, 3), q.offset[:, :1].repeat(1, 3), 16)
+    layer = make_linear(q, torch.bfloat16, torch.device("cpu"))
+    assert not isinstance(layer, QuantLinear)
+    assert torch.equal(layer.weight_t, q.dequantize().t().bfloat16())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 100])
+def test_quant_linear_on_cuda(bits, rows):
+    g = torch.Generator().manual_seed(bits + rows)
+    q = quantize_rtn(torch.randn(256, 512, generator=g), bits)
+    layer = make_linear(q, torch.bfloat16, torch.device("cuda"))
+    x = torch.randn(rows, 512, generator=g)
+    w = q.dequantize()
+    y = layer(x.bfloat16().cuda()).float().cpu()
+    assert ((y - x @ w.t()).abs() <= _bound(x, w, 6.0)).all()
