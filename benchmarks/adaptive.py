@@ -9,6 +9,7 @@ mix high- and low-acceptance requests, which is where one k for all is at its wo
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 from benchmarks.report import BUSY_CORES, busy_seconds, self_seconds
 from benchmarks.spec import CATEGORIES
 from benchmarks.texts import REPORT
+from benchmarks.tiers import EXACT
 
 Conversation = list[dict[str, str]]
 
@@ -149,8 +151,10 @@ def run_adaptive(max_tokens: int, runs: int, quick: bool, log: Callable[[str], N
     sizes = QUICK_BATCH_SIZES if quick else BATCH_SIZES
     loaded = loaded or {}
     # One engine per configuration for all batch sizes: loading (and profiling the cost model)
-    # costs seconds. The default KV pool holds batch 32 at the bench's lengths.
-    engines = {n: loaded.get(n) or LLM(speculative_config=CONFIGS[n], max_num_seqs=max(64, max(sizes)))
+    # costs seconds. The default KV pool holds batch 32 at the bench's lengths. The exact tier,
+    # named explicitly so LLM()'s default dtype cannot change what the sweep measures.
+    engines = {n: loaded.get(n) or LLM(dtype=EXACT.dtype, speculative_config=CONFIGS[n],
+                                       max_num_seqs=max(64, max(sizes)))
                for n in names}
     warm = SamplingParams(temperature=0.0, max_tokens=4)
     for llm in engines.values():
@@ -253,3 +257,19 @@ def plot_adaptive(path: Path, rows: list[AdaptiveRow]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_adaptive(out: Path, machine: dict[str, Any], rows: list[AdaptiveRow], max_tokens: int, runs: int,
+                   queue: int) -> str:
+    """adaptive.md, adaptive.json and adaptive.png under `out`; returns the Markdown for stdout."""
+    summaries = summarize(rows)
+    md = format_adaptive_table(rows) + "\n\n" + format_summary(summaries)
+    if queue > 1:
+        md = (f"Serving: {queue} x batch requests per batch size, at most `batch` "
+              "running at once (continuous batching).\n\n" + md)
+    (out / "adaptive.md").write_text(md + "\n")
+    (out / "adaptive.json").write_text(json.dumps(
+        {"machine": machine, "max_tokens": max_tokens, "runs": runs, "queue": queue, "rows": adaptive_json(rows),
+         "summary": summary_json(summaries), "target_met": target_met(summaries)}, indent=2))
+    plot_adaptive(out / "adaptive.png", rows)
+    return md

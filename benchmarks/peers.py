@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from benchmarks.prompts import Prompt
+from benchmarks.tiers import EXACT, TIERS, Tier, resolved_precision
 
 # Draft tokens per step for every prompt-lookup variant. k=5 is verispec's best drafter on the
 # extractive categories of the speculative sweep (docs/benchmarks.md); the peers draft as many,
@@ -80,13 +81,18 @@ def acceptance_from_lengths(calls: list[tuple[int, int]], final_length: int) -> 
 
 # ------------------------------------------------------------------------------- verispec
 class VerispecSystem:
-    key, label, compare = "verispec", "verispec", "ids"
+    """One precision tier of verispec (benchmarks.tiers): the exact one is the bench's reference."""
 
-    def __init__(self) -> None:
+    compare = "ids"
+
+    def __init__(self, tier: Tier = EXACT) -> None:
         from verispec import LLM
 
-        # No arguments: the bundled default model in fp32, on torch's thread count (set by the runner).
-        self.llm = LLM()
+        self.tier = tier
+        self.key, self.label = tier.key, tier.label
+        # The bundled default model, on torch's thread count (set by the runner); dtype explicit
+        # so that LLM()'s default never decides which tier a row measures.
+        self.llm = LLM(dtype=tier.dtype)
         self.spec_llm: Any = None
 
     def variant_label(self, variant: str) -> str:
@@ -99,8 +105,8 @@ class VerispecSystem:
             from verispec import LLM
 
             # The best drafter of the sweep; batch 1 needs a small KV pool, not the default one.
-            self.spec_llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": SPEC_K},
-                                num_kv_blocks=256)
+            self.spec_llm = LLM(dtype=self.tier.dtype, num_kv_blocks=256,
+                                speculative_config={"method": "ngram", "num_speculative_tokens": SPEC_K})
         return self.spec_llm
 
     def generate(self, prompts: list[Prompt], max_tokens: int, variant: str = PLAIN,
@@ -121,6 +127,9 @@ class VerispecSystem:
         if logprobs is not None:
             gen.logprobs = [[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs or [])] for s in seqs]
         return gen
+
+    def precision(self) -> dict[str, str | None]:
+        return resolved_precision(self.llm)
 
     def engines(self) -> dict[str, Any]:
         """Its engines by the speculative sweep's drafter names, for the sweep to reuse."""
@@ -293,12 +302,12 @@ PEERS: dict[str, PeerSpec] = {
 
 
 def load_system(key: str, model_path: str, threads: int, tokenizer: Any, log: Callable[[str], None]) -> System:
-    if key == "verispec":
-        return VerispecSystem()
+    if key in TIERS:
+        return VerispecSystem(TIERS[key])
     if key == "hf":
         return HFSystem(model_path, tokenizer)
     if key == "llamacpp":
         from benchmarks.llamacpp import LlamaCppSystem
 
         return LlamaCppSystem(model_path, threads, log)
-    raise ValueError(f"unknown system {key!r}; choose from verispec, {', '.join(PEERS)}")
+    raise ValueError(f"unknown system {key!r}; choose from {', '.join([*TIERS, *PEERS])}")

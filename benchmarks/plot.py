@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.peers import PLAIN
 from benchmarks.report import THROUGHPUT, TTFT, Result
 
 
@@ -32,6 +33,16 @@ def _panel(ax: Any, rows: list[Result], colors: dict[str, Any], ttft: bool) -> N
                   "generated tokens / s (median, min-max)")
 
 
+def series_colors(rows: list[Result], cmap: Any) -> dict[str, Any]:
+    """A hue per system (each verispec tier its own), dark for plain and light for speculative.
+
+    tab20 lists its colours in (dark, light) pairs, so system i gets pair i: the two tiers and
+    the peers stay apart at a glance, and a system's prompt-lookup bar sits next to its own hue.
+    """
+    systems = list(dict.fromkeys(r.system for r in rows))
+    return {r.label: cmap((2 * systems.index(r.system) + (r.variant != PLAIN)) % 20) for r in rows}
+
+
 def plot(path: Path, results: list[Result], machine: dict[str, Any], max_tokens: int) -> None:
     import matplotlib
 
@@ -42,8 +53,7 @@ def plot(path: Path, results: list[Result], machine: dict[str, Any], max_tokens:
     through = [r for r in done if r.metric == THROUGHPUT]
     ttft = [r for r in done if r.metric == TTFT]
     labels = list(dict.fromkeys(r.label for r in done))
-    cmap = plt.get_cmap("tab10")
-    colors = {label: cmap(i % 10) for i, label in enumerate(labels)}
+    colors = series_colors(done, plt.get_cmap("tab20"))
     panels = [p for p in ((through, False), (ttft, True)) if p[0]]
     # Panel widths follow their scenario counts, so bars come out about as wide in both.
     ratios = [max(1.2, len({r.scenario for r in rows}) * (1.0 if is_ttft else 1.3)) for rows, is_ttft in panels]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -20,17 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.adaptive import (
-    AdaptiveRow,
-    adaptive_json,
-    format_adaptive_table,
-    format_summary,
-    plot_adaptive,
-    run_adaptive,
-    summarize,
-    summary_json,
-    target_met,
-)
+from benchmarks.adaptive import AdaptiveRow, run_adaptive, write_adaptive
 from benchmarks.peers import (
     PEERS,
     PLAIN,
@@ -40,7 +29,7 @@ from benchmarks.peers import (
     load_system,
 )
 from benchmarks.plot import plot
-from benchmarks.prompts import Prompt
+from benchmarks.prompts import Prompt, chat_prompts
 from benchmarks.report import (
     BUSY_CORES,
     busy_seconds,
@@ -63,14 +52,16 @@ from benchmarks.scenarios import (
     headlines,
     max_abs_diff,
 )
-from benchmarks.spec import (
-    SpecRow,
-    format_spec_table,
-    plot_spec,
-    run_sweep,
-    spec_json,
-)
+from benchmarks.spec import SpecRow, run_sweep, write_spec
 from benchmarks.targets import evaluate, format_targets
+from benchmarks.tiers import (
+    FAST,
+    TIERS,
+    FidelityRow,
+    fidelity_size,
+    format_fidelity_table,
+    measure_fidelity,
+)
 
 DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
 QUICK_MAX_TOKENS, QUICK_RUNS = 32, 1
@@ -112,6 +103,9 @@ class RunState:
     checks: list[LogprobCheck] = field(default_factory=list)
     spec_rows: list[SpecRow] = field(default_factory=list)
     adaptive_rows: list[AdaptiveRow] = field(default_factory=list)
+    precision: dict[str, dict[str, str | None]] = field(default_factory=dict)  # per verispec tier
+    fidelity_prompts: list[Prompt] = field(default_factory=list)  # measured while HF is loaded
+    fidelity: list[FidelityRow] = field(default_factory=list)
 
 
 def log(msg: str) -> None:
@@ -207,6 +201,8 @@ def _measure(system: System, sc: Scenario, variant: str, prompts: list[Prompt], 
 
 
 def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt]], state: RunState) -> None:
+    if system.key in TIERS:
+        state.precision[system.key] = system.precision()  # type: ignore[attr-defined]
     for name in cfg.scenarios:
         sc = SCENARIOS.get(name)
         if sc is None or (sc.verispec_only and system.key != "verispec"):
@@ -214,7 +210,7 @@ def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt
         for variant in sc.variants:
             res = _measure(system, sc, variant, prompts[name], cfg, state)
             state.results.append(res)
-            if sc.check_logprobs and system.key == "verispec":
+            if sc.check_logprobs and system.key in TIERS:
                 # Outside the timed runs: logprobs=1 returns the sampled token's logprob.
                 gen = system.generate(prompts[name], cfg.max_tokens, variant, logprobs=1)
                 state.checks.append(LogprobCheck(res, prompts[name], gen))
@@ -234,13 +230,23 @@ def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt
                       for p, ids in zip(check.prompts, check.gen.token_ids or [])]
             check.result.logprob_diff = max_abs_diff(check.gen.logprobs or [], theirs)
             log(f"  {check.result.label} {check.result.scenario}: max |logprob - HF| = {check.result.logprob_diff:.2e}")
+        if state.fidelity_prompts:
+            hf_model = system.model  # type: ignore[attr-defined]
+            try:
+                state.fidelity.append(measure_fidelity(hf_model, FAST, state.fidelity_prompts,
+                                                       fidelity_size(cfg.quick)[1], log))
+            except Exception as exc:  # noqa: BLE001 - the timed rows stay valid without it
+                state.errors["fidelity"] = f"fidelity check failed: {exc!r}"
+                log(f"fidelity check failed:\n{traceback.format_exc()}")
 
 
 def _measure_all(cfg: BenchConfig, model_path: str, threads: int, tokenizer: Any,
                  prompts: dict[str, list[Prompt]], state: RunState) -> bool:
-    """Every system in turn; False if verispec itself could not load."""
-    for key in ["verispec", *cfg.peers]:
-        label = PEERS[key].label if key in PEERS else key
+    """Every system in turn; False if verispec's exact tier (the reference) could not load."""
+    # Both verispec tiers first: the exact tier is every scenario's reference, and HF (if asked for)
+    # then checks both tiers' logprobs in its own phase.
+    for key in [*TIERS, *cfg.peers]:
+        label = PEERS[key].label if key in PEERS else TIERS[key].label
         log(f"loading {label} ...")
         start = time.perf_counter()
         try:
@@ -300,7 +306,9 @@ def run(args: argparse.Namespace) -> int:
     log(f"model {model_path}; {cfg.max_tokens} tokens, {cfg.runs} run(s), {threads} thread(s), "
         f"scenarios {','.join(cfg.scenarios)}, peers {','.join(cfg.peers) or 'none'}")
 
-    state = RunState()
+    # The fidelity check reuses HF's phase; its prompts are the chat set, sized for --quick.
+    fidelity_prompts = chat_prompts(tokenizer, fidelity_size(cfg.quick)[0]) if "hf" in cfg.peers else []
+    state = RunState(fidelity_prompts=fidelity_prompts)
     if prompts and not _measure_all(cfg, model_path, threads, tokenizer, prompts, state):
         return 1
     spec_rows = state.spec_rows
@@ -327,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         "peers": cfg.peers,
         "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
         "logprobs20_share_of_batch16": _logprobs_share(results),
+        "precision": state.precision,  # what each verispec tier's dtype resolved to
     }
     table, ttft_table = format_table(results, headline=heads), format_ttft_table(results)
     print(table)
@@ -342,41 +351,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"verispec throughput with logprobs=20: {share:.1%} of the same batch without logprobs")
     print()
     print(format_targets(outcomes))
+    if fidelity_table := format_fidelity_table(state.fidelity):
+        print()
+        print(fidelity_table)
     for key, why in {**state.skipped, **state.errors}.items():
         print(f"{key}: {why}")
     cfg.out.mkdir(parents=True, exist_ok=True)
     if spec_rows:
-        spec_table = format_spec_table(spec_rows)
         print()
-        print(spec_table)
-        (cfg.out / "spec.md").write_text(spec_table + "\n")
-        (cfg.out / "spec.json").write_text(json.dumps({"machine": machine, "rows": spec_json(spec_rows)}, indent=2))
-        plot_spec(cfg.out / "spec.png", spec_rows)
+        print(write_spec(cfg.out, machine, spec_rows))
         if not all(r.identical for r in spec_rows):
             state.errors["spec"] = "a speculative run's greedy output differs from the non-speculative one"
     if adaptive_rows:
-        summaries = summarize(adaptive_rows)
-        adaptive_md = format_adaptive_table(adaptive_rows) + "\n\n" + format_summary(summaries)
-        if cfg.adaptive_queue > 1:
-            adaptive_md = (f"Serving: {cfg.adaptive_queue} x batch requests per batch size, at most `batch` "
-                           "running at once (continuous batching).\n\n" + adaptive_md)
         print()
-        print(adaptive_md)
-        (cfg.out / "adaptive.md").write_text(adaptive_md + "\n")
-        (cfg.out / "adaptive.json").write_text(json.dumps(
-            {"machine": machine, "max_tokens": cfg.max_tokens, "runs": cfg.runs, "queue": cfg.adaptive_queue,
-             "rows": adaptive_json(adaptive_rows),
-             "summary": summary_json(summaries), "target_met": target_met(summaries)}, indent=2))
-        plot_adaptive(cfg.out / "adaptive.png", adaptive_rows)
+        print(write_adaptive(cfg.out, machine, adaptive_rows, cfg.max_tokens, cfg.runs, cfg.adaptive_queue))
         if not all(r.identical for r in adaptive_rows):
             bad = ", ".join(f"batch {r.batch_size} {r.config}" for r in adaptive_rows if not r.identical)
             state.errors["adaptive"] = f"greedy output differs from the non-speculative one: {bad}"
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
-           "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes]}
+           "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
+           "fidelity": {r.tier: r.to_json() for r in state.fidelity}}
     write_json(cfg.out / "bench.json", doc, results, heads)
     # The same tables as Markdown, ready to paste into docs/benchmarks.md.
     md = [format_table(results, markdown=True, headline=heads), format_ttft_table(results, markdown=True),
-          format_targets(outcomes, markdown=True)]
+          format_targets(outcomes, markdown=True), format_fidelity_table(state.fidelity, markdown=True)]
     (cfg.out / "bench.md").write_text("\n\n".join(m for m in md if m) + "\n")
     if any(r.tokens for r in results):
         plot(cfg.out / "bench.png", results, machine, cfg.max_tokens)

@@ -7,11 +7,14 @@ is identical to the non-speculative one (it must be: verification is lossless).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.tiers import EXACT
 
 # Our own short texts in the categories Spec-Bench uses.
 _DOC = (
@@ -109,9 +112,11 @@ def run_sweep(max_tokens: int, quick: bool, log: Callable[[str], None],
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     prompts = {c: convs[:1] if quick else convs for c, convs in CATEGORIES.items()}
     names = list(QUICK_DRAFTERS if quick else DRAFTERS)
-    # A small pool each: batch 1 needs a few hundred tokens of cache, not the default 1 GiB.
+    # A small pool each: batch 1 needs a few hundred tokens of cache, not the default 1 GiB. The
+    # sweep measures the exact tier, named explicitly so LLM()'s default dtype cannot change that.
     loaded = loaded or {}
-    engines = {name: loaded.get(name) or LLM(speculative_config=DRAFTERS[name], num_kv_blocks=128) for name in names}
+    engines = {name: loaded.get(name) or LLM(dtype=EXACT.dtype, speculative_config=DRAFTERS[name], num_kv_blocks=128)
+               for name in names}
     for llm in engines.values():
         llm.chat(prompts["qa"][0], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     rows: list[SpecRow] = []
@@ -176,3 +181,12 @@ def plot_spec(path: Path, rows: list[SpecRow]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_spec(out: Path, machine: dict[str, Any], rows: list[SpecRow]) -> str:
+    """spec.md, spec.json and spec.png under `out`; returns the table for stdout."""
+    table = format_spec_table(rows)
+    (out / "spec.md").write_text(table + "\n")
+    (out / "spec.json").write_text(json.dumps({"machine": machine, "rows": spec_json(rows)}, indent=2))
+    plot_spec(out / "spec.png", rows)
+    return table

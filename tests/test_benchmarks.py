@@ -40,6 +40,17 @@ from benchmarks.report import (
 )
 from benchmarks.scenarios import SCENARIOS, compare, headlines, max_abs_diff
 from benchmarks.targets import TARGETS, evaluate, format_targets
+from benchmarks.fidelity import Fidelity
+from benchmarks.tiers import (
+    EXACT,
+    FAST,
+    FIDELITY_FULL,
+    FIDELITY_QUICK,
+    TIERS,
+    FidelityRow,
+    fidelity_size,
+    format_fidelity_table,
+)
 from benchmarks.__main__ import build_parser
 
 
@@ -168,6 +179,102 @@ def test_targets_met_missed_busy_and_not_measured():
     assert format_targets(evaluate(rows), markdown=True).startswith("| target |")
 
 
+FAST_TARGETS = {
+    "single": "single stream chat: verispec fast >= 1.2x llama-cpp-python plain",
+    "batch16": "16 concurrent: verispec fast >= 4x llama-cpp-python",
+    "extractive": "extractive: verispec fast best drafter >= 2x llama-cpp-python plain",
+    "ttft": "TTFT, 2k-token prompt: verispec fast <= 0.5x HF fp32 (time ratio, lower is better)",
+}
+
+
+def test_fast_tier_targets_compare_its_own_rows_with_the_peers():
+    rows = [_row(FAST.key, "single", [40.0]), _row("llamacpp", "single", [32.0]),
+            _row(FAST.key, "batch16", [250.0]), _row("llamacpp", "batch16", [70.0]),
+            _row(FAST.key, "extractive", [30.0]), _row(FAST.key, "extractive", [70.0], variant=SPEC),
+            _row("llamacpp", "extractive", [30.0], load=0.9),
+            # The exact tier's rows must not stand in for the fast tier's.
+            _row(EXACT.key, "single", [1000.0]), _row(EXACT.key, "batch16", [1.0])]
+    by_name = {o.target.name: o for o in evaluate(rows)}
+    assert set(FAST_TARGETS.values()) <= set(by_name)
+    single = by_name[FAST_TARGETS["single"]]
+    assert single.ratio == pytest.approx(1.25) and single.status == "met"
+    batch = by_name[FAST_TARGETS["batch16"]]
+    assert batch.ratio == pytest.approx(250 / 70) and batch.status == "missed"
+    # The speculative variant is the numerator, not the fast tier's plain row (which is 1x).
+    extractive = by_name[FAST_TARGETS["extractive"]]
+    assert extractive.ratio == pytest.approx(70 / 30) and extractive.status == "met (busy)"
+    assert by_name[FAST_TARGETS["ttft"]].status == "not measured"  # no TTFT rows at all
+    # The existing exact-tier target still reads the exact tier's rows.
+    assert by_name["16 concurrent: verispec >= 3x llama-cpp-python"].ratio == pytest.approx(1 / 70)
+
+
+@pytest.mark.parametrize("fast_s, hf_s, ratio, status", [
+    (0.8, 2.0, 0.4, "met"),  # 0.8 s against HF's 2 s: the time ratio shown is the one the target names
+    (1.0, 2.0, 0.5, "met"),  # the bound itself is met
+    (1.5, 2.0, 0.75, "missed"),  # faster than HF, still not twice as fast
+    (3.0, 2.0, 1.5, "missed"),
+])
+def test_fast_ttft_target_is_a_time_ratio_where_lower_is_better(fast_s, hf_s, ratio, status):
+    rows = [_row(FAST.key, "ttft", [1 / fast_s], metric=TTFT), _row("hf", "ttft", [1 / hf_s], metric=TTFT),
+            _row(EXACT.key, "ttft", [1 / 4.0], metric=TTFT)]
+    by_name = {o.target.name: o for o in evaluate(rows)}
+    fast = by_name[FAST_TARGETS["ttft"]]
+    assert fast.target.lower_is_better and fast.ratio == pytest.approx(ratio) and fast.status == status
+    # The exact tier's TTFT target keeps its score ratio (HF time / verispec time, higher is better).
+    exact = by_name["TTFT, 2k-token prompt: verispec <= HF"]
+    assert not exact.target.lower_is_better and exact.ratio == pytest.approx(hf_s / 4.0) and exact.status == "missed"
+    table = format_targets(list(by_name.values()), markdown=True)
+    line = next(x for x in table.splitlines() if "verispec fast <=" in x)
+    assert f"| {ratio:.2f}x | {status} |" in line
+
+
+def test_fast_tier_rows_in_the_tables():
+    exact = _row(EXACT.key, "single", [20.0], label=EXACT.label)
+    exact.equal, exact.logprob_diff = "reference", 2e-5
+    fast = _row(FAST.key, "single", [50.0], label=FAST.label)
+    fast.equal, fast.logprob_diff = "no (0/1 ids, first diff at token 3)", 0.11
+    lines = format_table([exact, fast], headline=headlines()).splitlines()
+    assert lines[3].startswith(f"single    {FAST.label}")
+    # verispec / system is the exact tier over the fast one; the logprob gap to HF is reported.
+    assert "0.40x" in lines[3] and "1.1e-01" in lines[3] and "first diff at token 3" in lines[3]
+    rows = [_row(EXACT.key, "ttft", [1 / 2.0], metric=TTFT, label=EXACT.label),
+            _row(FAST.key, "ttft", [1 / 0.5], metric=TTFT, label=FAST.label)]
+    ttft = format_ttft_table(rows, markdown=True).splitlines()
+    assert ttft[3].startswith(f"| {FAST.label} | 2000 | 500 |") and "| 0.25x |" in ttft[3]
+
+
+# ---------------------------------------------------------------------------------- fidelity
+def _fid_row(kl: float, top1: float, label: str = FAST.label) -> FidelityRow:
+    return FidelityRow(FAST.key, label, 16, 128, {"dtype": "bfloat16", "quantization": "gguf"},
+                       Fidelity(2040, kl, top1, 0.125), 300.0)
+
+
+def test_fidelity_sizes():
+    assert fidelity_size(False) == FIDELITY_FULL == (16, 128)
+    assert fidelity_size(True) == FIDELITY_QUICK
+    prompts, tokens = FIDELITY_QUICK
+    assert prompts * tokens <= 64  # --quick stays a smoke test: ~0.15 s per token
+
+
+def test_fidelity_table_and_json():
+    good, bad = _fid_row(1.5e-3, 0.975), _fid_row(3e-3, 0.99, label="other")
+    lines = format_fidelity_table([good, bad]).splitlines()
+    assert lines[0].split()[:2] == ["tier", "weights"] and "mean KL vs HF fp32" in lines[0]
+    assert "KL <= 0.002" in lines[0] and "top-1 >= 97%" in lines[0]
+    assert lines[2].startswith(FAST.label) and "bfloat16, gguf" in lines[2]
+    assert "2040 (16 x 128)" in lines[2] and "1.50e-03" in lines[2] and "97.5%" in lines[2]
+    assert "1.25e-01" in lines[2] and lines[2].endswith("yes")
+    assert lines[3].endswith("no")  # KL above the bar, whatever the top-1 agreement
+    md = format_fidelity_table([good], markdown=True).splitlines()
+    assert md[0].startswith("| tier | weights | tokens |") and md[1].startswith("|---|")
+    assert md[2] == (f"| {FAST.label} | bfloat16, gguf | 2040 (16 x 128) | 1.50e-03 | 97.5% | 1.25e-01 | yes |")
+    assert format_fidelity_table([]) == ""
+    doc = json.loads(json.dumps(good.to_json()))
+    assert doc["meets_bar"] is True and doc["quantization"] == "gguf" and doc["tokens"] == 2040
+    assert (doc["mean_kl"], doc["top1"], doc["kl_bar"], doc["top1_bar"]) == (1.5e-3, 0.975, 2e-3, 0.97)
+    assert _fid_row(1e-3, 0.96).to_json()["meets_bar"] is False
+
+
 # ---------------------------------------------------------------------------------- correctness
 def test_compare_ids_text_and_reference():
     ref = Generation(["a b", "c"], [[1, 2], [3]], [2, 1])
@@ -213,17 +320,26 @@ def test_scenario_table():
 
 # ---------------------------------------------------------------------------------- peers
 class _FakeSystem:
-    key, label, compare = "verispec", "verispec", "ids"
+    """A verispec tier (or, with `key`, a peer) that generates `token` over and over."""
 
-    def __init__(self) -> None:
+    compare = "ids"
+
+    def __init__(self, key: str = "verispec", token: int = 7) -> None:
+        self.key, self.label, self.token = key, TIERS[key].label if key in TIERS else key, token
         self.calls: list[tuple[int, str, int | None]] = []
 
     def variant_label(self, variant: str) -> str:
-        return self.label if variant == PLAIN else "verispec + spec"
+        return self.label if variant == PLAIN else f"{self.label} + spec"
+
+    def precision(self) -> dict:
+        return {"dtype": "float32" if self.key == EXACT.key else "bfloat16", "quantization": None}
+
+    def engines(self) -> dict:
+        return {"none": self}
 
     def generate(self, prompts, max_tokens, variant=PLAIN, logprobs=None):
         self.calls.append((max_tokens, variant, logprobs))
-        ids = [[7] * max_tokens for _ in prompts]
+        ids = [[self.token] * max_tokens for _ in prompts]
         gen = Generation(["x"] * len(prompts), ids, [max_tokens] * len(prompts))
         if variant == SPEC:
             gen.spec_steps, gen.spec_tokens = 2, 6
@@ -241,7 +357,7 @@ def test_unavailable_peer_is_skipped_with_its_install_command(monkeypatch):
     def load(key, *args):
         if key == "llamacpp":
             raise PeerUnavailable("llama-cpp-python is not installed (no module); `pip install llama-cpp-python`")
-        return fake
+        return fake if key == EXACT.key else _FakeSystem(key)
 
     monkeypatch.setattr(runner, "load_system", load)
     cfg = runner._resolve(_args("--peers", "llamacpp", "--scenarios", "single,extractive,ttft", "--runs", "2",
@@ -250,13 +366,169 @@ def test_unavailable_peer_is_skipped_with_its_install_command(monkeypatch):
     state = runner.RunState()
     assert runner._measure_all(cfg, "model.gguf", 2, None, {s: [prompt] for s in cfg.scenarios}, state)
     assert "pip install llama-cpp-python" in state.skipped["llamacpp"]
-    rows = {(r.scenario, r.variant): r for r in state.results}
+    rows = {(r.scenario, r.variant): r for r in state.results if r.system == EXACT.key}
     assert set(rows) == {("single", PLAIN), ("extractive", PLAIN), ("extractive", SPEC), ("ttft", PLAIN)}
     assert rows["ttft", PLAIN].tokens == [1, 1]  # TTFT always generates one token
     assert rows["extractive", SPEC].acceptance == pytest.approx(3.0)  # 12 tokens over 4 steps, 2 runs
     assert rows["extractive", SPEC].equal == "yes (ids)"
-    assert [c.result.scenario for c in state.checks] == ["single", "extractive", "extractive"]
+    exact_checks = [c.result.scenario for c in state.checks if c.result.system == EXACT.key]
+    assert exact_checks == ["single", "extractive", "extractive"]
     assert (4, PLAIN, 1) in fake.calls  # the untimed logprob run
+
+
+class _FakeHF(_FakeSystem):
+    """HF's phase: a model to lend the fidelity check, and log_softmax 0.1 below the tiers'."""
+
+    def __init__(self) -> None:
+        super().__init__("hf")
+        self.model = object()
+
+    def token_logprobs(self, prompt_ids, gen_ids):
+        return [-0.6] * len(gen_ids)
+
+
+def test_both_tiers_run_as_their_own_systems_and_hf_checks_them(monkeypatch):
+    exact, fast, hf = _FakeSystem(EXACT.key), _FakeSystem(FAST.key, token=8), _FakeHF()
+    loaded: list[str] = []
+
+    def load(key, *args):
+        loaded.append(key)
+        return {EXACT.key: exact, FAST.key: fast, "hf": hf}[key]
+
+    sweeps, fidelity = [], []
+    monkeypatch.setattr(runner, "load_system", load)
+    monkeypatch.setattr(runner, "run_sweep", lambda *a: sweeps.append(a[-1]) or [])
+    monkeypatch.setattr(runner, "measure_fidelity",
+                        lambda model, tier, prompts, tokens, log: fidelity.append((model, tier, prompts, tokens))
+                        or _fid_row(1e-3, 0.99))
+    cfg = runner._resolve(_args("--quick", "--peers", "hf", "--max-tokens", "4",
+                                "--scenarios", "single,batch16_logprobs,extractive,spec"))
+    prompt = Prompt("q", "q", [1, 2, 3])
+    state = runner.RunState(fidelity_prompts=[prompt, prompt])
+    assert runner._measure_all(cfg, "model.gguf", 2, None, {s: [prompt] for s in cfg.scenarios}, state)
+    assert loaded == [EXACT.key, FAST.key, "hf"]  # one system at a time, exact tier first
+    rows = {(r.system, r.scenario, r.variant): r for r in state.results}
+    assert {k for k in rows if k[0] == FAST.key} == {
+        (FAST.key, "single", PLAIN), (FAST.key, "extractive", PLAIN), (FAST.key, "extractive", SPEC)}
+    assert (EXACT.key, "batch16_logprobs", PLAIN) in rows  # logprobs=20 stays exact-tier only
+    assert rows[FAST.key, "single", PLAIN].label == FAST.label
+    assert rows[FAST.key, "extractive", SPEC].label == f"{FAST.label} + spec"
+    # The exact tier is the reference; the fast tier's rows say whether they match it.
+    assert rows[EXACT.key, "single", PLAIN].equal == "reference"
+    assert rows[FAST.key, "single", PLAIN].equal == "no (0/1 ids, first diff at token 0)"
+    assert rows["hf", "single", PLAIN].equal == "yes (ids)"  # HF's fake repeats the exact tier's token
+    # HF checks both tiers' logprobs on the check_logprobs scenarios.
+    assert sorted((c.result.system, c.result.scenario, c.result.variant) for c in state.checks) == sorted(
+        (t, sc, v) for t in TIERS for sc, v in (("single", PLAIN), ("extractive", PLAIN), ("extractive", SPEC)))
+    assert all(c.result.logprob_diff == pytest.approx(0.1) for c in state.checks)
+    assert (4, PLAIN, 1) in fast.calls
+    assert sweeps == [{"none": exact}]  # the speculative sweep stays on the exact tier
+    assert state.precision == {EXACT.key: {"dtype": "float32", "quantization": None},
+                               FAST.key: {"dtype": "bfloat16", "quantization": None}}
+    # Fidelity: the fast tier, against HF's model, with --quick's size.
+    assert fidelity == [(hf.model, FAST, [prompt, prompt], FIDELITY_QUICK[1])]
+    assert len(state.fidelity) == 1 and not state.errors
+
+
+def test_a_failed_fidelity_check_is_an_error_not_a_lost_run(monkeypatch):
+    systems = {EXACT.key: _FakeSystem(EXACT.key), FAST.key: _FakeSystem(FAST.key), "hf": _FakeHF()}
+    monkeypatch.setattr(runner, "load_system", lambda key, *a: systems[key])
+
+    def broken(*args):
+        raise RuntimeError("no int4 kernel")
+
+    monkeypatch.setattr(runner, "measure_fidelity", broken)
+    cfg = runner._resolve(_args("--peers", "hf", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
+    prompt = Prompt("q", "q", [1, 2, 3])
+    state = runner.RunState(fidelity_prompts=[prompt])
+    assert runner._measure_all(cfg, "model.gguf", 2, None, {"single": [prompt]}, state)
+    assert "no int4 kernel" in state.errors["fidelity"] and set(state.errors) == {"fidelity"}
+    assert all(c.result.logprob_diff is not None for c in state.checks)  # HF's checks still ran
+    assert state.fidelity == []
+    # Without HF among the peers there are no fidelity prompts and no check.
+    state = runner.RunState()
+    cfg = runner._resolve(_args("--peers", "none", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
+    assert runner._measure_all(cfg, "model.gguf", 2, None, {"single": [prompt]}, state)
+    assert state.fidelity == [] and not state.errors and len(state.results) == 2
+
+
+def test_a_fast_tier_that_fails_to_load_does_not_stop_the_bench(monkeypatch):
+    def load(key, *args):
+        if key == FAST.key:
+            raise RuntimeError("int4 kernels unavailable")
+        return _FakeSystem(key)
+
+    monkeypatch.setattr(runner, "load_system", load)
+    cfg = runner._resolve(_args("--peers", "none", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
+    state = runner.RunState()
+    assert runner._measure_all(cfg, "model.gguf", 2, None, {"single": [Prompt("q", "q", [1])]}, state)
+    assert "int4 kernels unavailable" in state.errors[FAST.key]
+    assert [r.system for r in state.results] == [EXACT.key]
+
+
+class _FakeLLM:
+    """Stands in for verispec.LLM: records its keyword arguments, resolves dtype like the engine."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        import torch
+
+        _FakeLLM.made.append(kwargs)
+        auto = kwargs.get("dtype") == "auto"
+
+        class _Config:
+            dtype = torch.bfloat16 if auto else torch.float32
+            quantization = "gguf" if auto else None
+
+        self.engine = type("Engine", (), {"config": _Config})()
+
+
+def test_verispec_system_passes_each_tier_dtype_explicitly(monkeypatch):
+    import verispec
+
+    from benchmarks.peers import SPEC_K, VerispecSystem, load_system
+
+    monkeypatch.setattr(verispec, "LLM", _FakeLLM)
+    _FakeLLM.made = []
+    fast = load_system(FAST.key, "model.gguf", 2, None, print)
+    assert isinstance(fast, VerispecSystem) and (fast.key, fast.label) == (FAST.key, FAST.label)
+    assert fast.variant_label(SPEC) == f"{FAST.label} + ngram k={SPEC_K}"
+    assert fast.precision() == {"dtype": "bfloat16", "quantization": "gguf"}
+    fast._engine(SPEC)
+    exact = load_system(EXACT.key, "model.gguf", 2, None, print)
+    assert (exact.key, exact.label, exact.variant_label(PLAIN)) == ("verispec", "verispec", "verispec")
+    assert exact.precision() == {"dtype": "float32", "quantization": None}
+    exact.engines()  # builds the exact tier's speculative engine for the sweep
+    assert [m["dtype"] for m in _FakeLLM.made] == ["auto", "auto", "float32", "float32"]
+    assert _FakeLLM.made[1]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": SPEC_K}
+    assert _FakeLLM.made[3]["speculative_config"] == _FakeLLM.made[1]["speculative_config"]
+    with pytest.raises(ValueError, match="verispec_fast"):
+        load_system("vllm", "model.gguf", 2, None, print)
+
+
+class _Built(Exception):
+    pass
+
+
+def test_the_sweeps_build_exact_tier_engines_whatever_llms_default(monkeypatch):
+    import verispec
+
+    from benchmarks.adaptive import run_adaptive
+    from benchmarks.spec import run_sweep
+
+    made: list[dict] = []
+
+    def record(**kwargs):
+        made.append(kwargs)
+        raise _Built  # the first engine's arguments are all this test needs
+
+    monkeypatch.setattr(verispec, "LLM", record)
+    with pytest.raises(_Built):
+        run_sweep(4, True, print)
+    with pytest.raises(_Built):
+        run_adaptive(4, 1, True, print)
+    assert [m["dtype"] for m in made] == [EXACT.dtype, EXACT.dtype] == ["float32", "float32"]
 
 
 def test_missing_llama_cpp_raises_peer_unavailable(monkeypatch):
@@ -301,6 +573,29 @@ def test_plot_draws_the_medians_the_busy_hatch_and_a_ttft_panel(tmp_path, monkey
     assert "test cpu, 2 threads" in saved[0]._suptitle.get_text()
     image = imread(tmp_path / "b.png")
     assert image.shape[0] == 600 and len({tuple(px) for px in image[::10, ::10].reshape(-1, image.shape[2])}) > 5
+
+
+def test_plot_gives_each_tier_its_own_colour_and_spec_a_lighter_shade(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from benchmarks.plot import plot
+
+    saved = _saved_figures(monkeypatch)
+    rows = [_row(EXACT.key, "extractive", [20.0], label=EXACT.label),
+            _row(EXACT.key, "extractive", [30.0], variant=SPEC, label=f"{EXACT.label} + ngram"),
+            _row(FAST.key, "extractive", [50.0], label=FAST.label),
+            _row(FAST.key, "extractive", [90.0], variant=SPEC, label=f"{FAST.label} + ngram"),
+            _row("llamacpp", "extractive", [60.0], label="llama.cpp")]
+    plot(tmp_path / "b.png", rows, {"cpu": "test cpu", "torch_threads": 2}, 128)
+    bars = saved[0].axes[0].patches
+    assert [b.get_height() for b in bars] == pytest.approx([20.0, 30.0, 50.0, 90.0, 60.0])
+    colours = [to_hex(b.get_facecolor()) for b in bars]
+    assert len(set(colours)) == 5
+    # tab20's pairs: blue / light blue for the exact tier, orange / light orange for the fast one.
+    assert colours[:4] == ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78"]
+    legend = [t.get_text() for t in saved[0].legends[0].get_texts()]
+    assert legend == [r.label for r in rows]
 
 
 def test_json_report(tmp_path):
