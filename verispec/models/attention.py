@@ -44,6 +44,10 @@ class AttnGroup:
     causal: bool
     out_valid: torch.Tensor | None  # positions in the flattened [G*Q] output that are real rows
     out_rows: torch.Tensor | None  # their rows in the flat batch
+    # Each query row attends as its own sequence of one query (kv_blocks and mask are per row):
+    # in bf16, SDPA's result for a row depends on how many query rows share its call, so a
+    # verify row would round differently from the same row decoded alone.
+    row_wise: bool = False
 
 
 @dataclass(slots=True)
@@ -130,10 +134,15 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
     keys = torch.arange(max_k, device=device)[None, None, :]
     # Causal within the request and never past its own context; padded query rows see every real
     # key, which keeps them finite (they are dropped afterwards).
-    mask = (keys <= q_pos[:, :, None]) & (keys < ctx[:, None, None])
+    mask = (keys <= q_pos[:, :, None]) & (keys < ctx[:, None, None])  # [G, Q, K]
+    row_wise = max_q > 1 and dtype != torch.float32
+    if row_wise:
+        kv_blocks = kv_blocks.repeat_interleave(max_q, dim=0)  # [G*Q, NB]
+        mask = mask.reshape(g * max_q, 1, max_k)
     return AttnGroup(
         query_index=query_index, row_start=spans[0].start, num_seqs=g, max_query=max_q,
         kv_blocks=kv_blocks, mask=_additive(mask[:, None], dtype), causal=False, out_valid=out_valid, out_rows=out_rows,
+        row_wise=row_wise,
     )
 
 
@@ -169,6 +178,8 @@ def paged_attention(
             rows = slice(grp.row_start, grp.row_start + nq)
             kg, vg = k[rows][None], v[rows][None]
         else:  # [G*NB, bs, KV, D] -> [G, NB*bs, KV, D]
+            if grp.row_wise:
+                g, nq, qg = g * nq, 1, qg.reshape(g * nq, 1, num_heads, head_dim)
             blocks = grp.kv_blocks.view(-1)
             kg = k_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
             vg = v_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
