@@ -118,21 +118,18 @@ class QuantLinear(nn.Module):
             # lose the result to the bf16 rounding of each kernel's output.
             specs = [(hi + 8, 16 * weight.scale, 8 * weight.scale), (lo, weight.scale, torch.zeros_like(weight.scale))]
         self.planes = nn.ModuleList(Int4Plane(c.to(torch.uint8), s, z, g, dtype, device) for c, s, z in specs)
+        self._plane_list = tuple(self.planes)
         self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
         self.dense = dense
         self.kernel_max_rows = kernel_max_rows
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        planes = self._plane_list  # a tuple: slicing the ModuleList would build a new module per call
         if x.shape[0] <= self.kernel_max_rows:
-            y = self.planes[0](x)
-            for plane in self.planes[1:]:
-                y = y + plane(x)
-            return y
+            return planes[0](x) if len(planes) == 1 else planes[0](x) + planes[1](x)
         if self.dense is not None:
             return F.linear(x, self.dense)
-        w_t = self.planes[0].dense_t()
-        for plane in self.planes[1:]:
-            w_t = w_t + plane.dense_t()
+        w_t = planes[0].dense_t() if len(planes) == 1 else planes[0].dense_t() + planes[1].dense_t()
         return x @ w_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
