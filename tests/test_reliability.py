@@ -32,7 +32,10 @@ from server_utils import ServerProcess, sse_events
 
 pytestmark = pytest.mark.slow
 
-SPEC = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+# The exact tier: these tests compare a request served under load with the same request alone. In
+# the bf16 fast tier a row's rounding depends on what shares its step (as in other engines), so
+# only the exact tier promises that equality (docs/design.md, "Known limits").
+SPEC = ("--dtype", "float32", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
 POISON = [49150, 49151, 49149]  # the fault hook fires on this run of token ids
 PRESSURED_BLOCKS = 24
 
