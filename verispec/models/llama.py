@@ -27,10 +27,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; bit-identical to the expanded form in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 whatever the weights are, as the reference implementation does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in fp32 whatever the weights are, round, then scale, as the reference
+        # implementation does; the fused fp32 op is bit-identical to its expanded form.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
