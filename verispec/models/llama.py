@@ -55,10 +55,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into signed_sin (negation is
+    exact, so the result is bit-identical) to save an op per layer."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 class DecoderLayer(nn.Module):
@@ -136,7 +137,8 @@ class LlamaModel(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]  # rotate_half's sign
+        return emb.cos().to(self.dtype), sin.to(self.dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, num_layers: int | None = None):
         """Hidden states after the final norm, [T, hidden], for every token of the flat batch.
