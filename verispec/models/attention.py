@@ -12,7 +12,7 @@ Groups:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +44,11 @@ class AttnGroup:
     causal: bool
     out_valid: torch.Tensor | None  # positions in the flattened [G*Q] output that are real rows
     out_rows: torch.Tensor | None  # their rows in the flat batch
-    # Each query row attends as its own sequence of one query (kv_blocks and mask are per row):
-    # in bf16, SDPA's result for a row depends on how many query rows share its call, so a
-    # verify row would round differently from the same row decoded alone.
+    # Each query row attends as one query of its own: the rows are folded into the heads. In
+    # bf16, SDPA's result for a row depends on how many query rows share its call, so a verify
+    # row would round differently from the same row decoded alone; per head it does not.
     row_wise: bool = False
+    folded_masks: dict = field(default_factory=dict)  # (kv heads, heads per kv head) -> mask
 
 
 @dataclass(slots=True)
@@ -136,9 +137,6 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
     # key, which keeps them finite (they are dropped afterwards).
     mask = (keys <= q_pos[:, :, None]) & (keys < ctx[:, None, None])  # [G, Q, K]
     row_wise = max_q > 1 and dtype != torch.float32
-    if row_wise:
-        kv_blocks = kv_blocks.repeat_interleave(max_q, dim=0)  # [G*Q, NB]
-        mask = mask.reshape(g * max_q, 1, max_k)
     return AttnGroup(
         query_index=query_index, row_start=spans[0].start, num_seqs=g, max_query=max_q,
         kv_blocks=kv_blocks, mask=_additive(mask[:, None], dtype), causal=False, out_valid=out_valid, out_rows=out_rows,
@@ -178,17 +176,36 @@ def paged_attention(
             rows = slice(grp.row_start, grp.row_start + nq)
             kg, vg = k[rows][None], v[rows][None]
         else:  # [G*NB, bs, KV, D] -> [G, NB*bs, KV, D]
-            if grp.row_wise:
-                g, nq, qg = g * nq, 1, qg.reshape(g * nq, 1, num_heads, head_dim)
             blocks = grp.kv_blocks.view(-1)
             kg = k_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
             vg = v_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
-        og = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-            attn_mask=grp.mask, is_causal=grp.causal, scale=scale, enable_gqa=gqa,
-        ).transpose(1, 2)  # [G, Q, H, D]
+        if grp.row_wise:
+            og = _folded_attention(qg, kg, vg, grp, scale)
+        else:
+            og = F.scaled_dot_product_attention(
+                qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+                attn_mask=grp.mask, is_causal=grp.causal, scale=scale, enable_gqa=gqa,
+            ).transpose(1, 2)  # [G, Q, H, D]
         if grp.out_rows is None:
             out[grp.row_start : grp.row_start + g * nq] = og.reshape(g * nq, num_heads, head_dim)
         else:
             out[grp.out_rows] = og.reshape(g * nq, num_heads, head_dim)[grp.out_valid]
     return out
+
+
+def _folded_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp: AttnGroup, scale: float) -> torch.Tensor:
+    """[G, Q, H, D] queries as [G, KV * Q * H/KV, 1, D]: one query per head, the heads of each kv
+    head kept together for GQA, the rows' causal masks per head. Returns [G, Q, H, D]."""
+    g, nq, num_heads, head_dim = qg.shape
+    kv_heads = kg.shape[2]
+    per_kv = num_heads // kv_heads
+    folded = qg.view(g, nq, kv_heads, per_kv, head_dim).permute(0, 2, 1, 3, 4)
+    folded = folded.reshape(g, kv_heads * nq * per_kv, 1, head_dim)
+    mask = grp.folded_masks.get((kv_heads, per_kv))
+    if mask is None:  # built by the first layer, reused by the others
+        keys = grp.mask.shape[-1]
+        mask = grp.mask.view(g, 1, nq, 1, keys).expand(g, kv_heads, nq, per_kv, keys)
+        grp.folded_masks[(kv_heads, per_kv)] = mask = mask.reshape(g, kv_heads * nq * per_kv, 1, keys)
+    out = F.scaled_dot_product_attention(folded, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
+                                         scale=scale, enable_gqa=kv_heads != num_heads)
+    return out.view(g, kv_heads, nq, per_kv, head_dim).permute(0, 2, 1, 3, 4).reshape(g, nq, num_heads, head_dim)
