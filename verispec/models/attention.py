@@ -193,7 +193,8 @@ def paged_attention(
     return out
 
 
-def _folded_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp: AttnGroup, scale: float) -> torch.Tensor:
+def _folded_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp: AttnGroup,
+                      scale: float) -> torch.Tensor:
     """[G, Q, H, D] queries as [G, KV * Q * H/KV, 1, D]: one query per head, the heads of each kv
     head kept together for GQA, the rows' causal masks per head. Returns [G, Q, H, D]."""
     g, nq, num_heads, head_dim = qg.shape

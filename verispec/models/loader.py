@@ -105,7 +105,9 @@ def load_checkpoint(
     return cfg, weights
 
 
-def resolve_precision(model: str, dtype: torch.dtype | None, quantization: str | None) -> tuple[torch.dtype, str | None]:
+def resolve_precision(
+    model: str, dtype: torch.dtype | None, quantization: str | None
+) -> tuple[torch.dtype, str | None]:
     """(dtype, quantization) from the user's choice, with dtype=None meaning "auto": a GGUF file
     runs quantized in bfloat16, an HF checkpoint in its own torch_dtype, as vLLM does."""
     if quantization is not None and quantization not in QUANTIZATIONS:
