@@ -44,10 +44,10 @@ class AttnGroup:
     causal: bool
     out_valid: torch.Tensor | None  # positions in the flattened [G*Q] output that are real rows
     out_rows: torch.Tensor | None  # their rows in the flat batch
-    # bf16 decode rows attend in a kv-head-major layout (see _folded_attention): each request row
+    # bf16 decode rows attend in a kv-head-major layout (see _head_major_attention): each request row
     # becomes a head of its own, so a verify row computes exactly as the same row decoded alone.
-    row_wise: bool = False
-    folded_masks: dict = field(default_factory=dict)  # number of kv heads -> mask
+    head_major: bool = False
+    head_major_masks: dict = field(default_factory=dict)  # number of kv heads -> mask
 
 
 @dataclass(slots=True)
@@ -135,11 +135,11 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
     # Causal within the request and never past its own context; padded query rows see every real
     # key, which keeps them finite (they are dropped afterwards).
     mask = (keys <= q_pos[:, :, None]) & (keys < ctx[:, None, None])  # [G, Q, K]
-    row_wise = dtype != torch.float32
+    head_major = dtype != torch.float32
     return AttnGroup(
         query_index=query_index, row_start=spans[0].start, num_seqs=g, max_query=max_q,
         kv_blocks=kv_blocks, mask=_additive(mask[:, None], dtype), causal=False, out_valid=out_valid, out_rows=out_rows,
-        row_wise=row_wise,
+        head_major=head_major,
     )
 
 
@@ -178,8 +178,8 @@ def paged_attention(
             blocks = grp.kv_blocks.view(-1)
             kg = k_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
             vg = v_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
-        if grp.row_wise:
-            og = _folded_attention(qg, kg, vg, grp, scale)
+        if grp.head_major:
+            og = _head_major_attention(qg, kg, vg, grp, scale)
         else:
             og = F.scaled_dot_product_attention(
                 qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
@@ -192,7 +192,7 @@ def paged_attention(
     return out
 
 
-def _folded_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp: AttnGroup,
+def _head_major_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp: AttnGroup,
                       scale: float) -> torch.Tensor:
     """Decode attention for bf16 models: [G, Q, H, D] queries as [G, KV * Q, H/KV, D], one head
     per (kv head, request row) holding that kv head's H/KV query heads as its rows, with the
@@ -204,11 +204,11 @@ def _folded_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp:
     kv_heads = kg.shape[2]
     per_kv = num_heads // kv_heads
     folded = qg.view(g, nq, kv_heads, per_kv, head_dim).transpose(1, 2).reshape(g, kv_heads * nq, per_kv, head_dim)
-    mask = grp.folded_masks.get(kv_heads)
+    mask = grp.head_major_masks.get(kv_heads)
     if mask is None:  # built by the first layer, reused by the others
         keys = grp.mask.shape[-1]
         mask = grp.mask.view(g, 1, nq, 1, keys).expand(g, kv_heads, nq, 1, keys)
-        grp.folded_masks[kv_heads] = mask = mask.reshape(g, kv_heads * nq, 1, keys)
+        grp.head_major_masks[kv_heads] = mask = mask.reshape(g, kv_heads * nq, 1, keys)
     out = F.scaled_dot_product_attention(folded, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=nq > 1)
     return out.view(g, kv_heads, nq, per_kv, head_dim).transpose(1, 2).reshape(g, nq, num_heads, head_dim)
