@@ -50,6 +50,10 @@ _DTYPES = {
 }
 
 
+# Weight quantizations (the fast tier); see verispec.models.loader.load_checkpoint.
+QUANTIZATIONS = ("gguf", "int4", "int8")
+
+
 def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
     """None stands for "auto": the engine resolves it from the checkpoint."""
     if dtype is None or dtype == "auto":
@@ -198,8 +202,9 @@ class EngineConfig:
         )
 
     def validate(self) -> None:
-        if self.quantization not in (None, "gguf", "int4", "int8"):
-            raise ValueError(f"quantization must be 'gguf', 'int4', 'int8' or None; got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            choices = ", ".join(map(repr, QUANTIZATIONS))
+            raise ValueError(f"quantization must be one of {choices} or None; got {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

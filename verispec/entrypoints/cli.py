@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: a GGUF file runs quantized in bfloat16 (the fast tier), an HF checkpoint in "
                         "its own dtype; float32 is the exact tier")
-    p.add_argument("--quantization", default=None, choices=["gguf", "int4", "int8"],
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weights stay packed on int4 kernels: gguf keeps a GGUF file's blocks, int4/int8 "
                         "round an HF checkpoint's (default: gguf for a GGUF file under --dtype auto)")
     p.add_argument("--device", default="auto")

@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from verispec.models.config import ModelConfig
-from verispec.models.quant import QuantizedWeight, from_gguf_blocks, quantize_rtn
+from verispec.models.quant import GROUP_SIZE, QuantizedWeight, from_gguf_blocks, quantize_rtn
 
-QUANTIZATIONS = ("gguf", "int4", "int8")
 _EXACT_GGUF = ("Q4_0", "Q4_1", "Q8_0")  # decoded into QuantizedWeight without rounding
 _DENSE_GGUF = ("F32", "F16", "BF16")
 # The matrices of a decoder layer; embeddings and the lm_head are quantized separately.
@@ -97,7 +96,7 @@ def load_checkpoint(
         return _load_gguf(path, dtype) if path.is_file() else _load_hf_dir(path, dtype)
     cfg, weights = _load_gguf(path, torch.float32) if path.is_file() else _load_hf_dir(path, torch.float32)
     for name, w in weights.items():
-        if w.dim() == 2 and w.shape[1] % 32 == 0:
+        if w.dim() == 2 and w.shape[1] % GROUP_SIZE == 0:
             layer_matrix = name.startswith("layers.") and name.rsplit(".", 1)[-1] in _LAYER_MATRICES
             weights[name] = quantize_rtn(w, 4 if quantization == "int4" and layer_matrix else 8)
         else:
@@ -109,17 +108,15 @@ def resolve_precision(
     model: str, dtype: torch.dtype | None, quantization: str | None
 ) -> tuple[torch.dtype, str | None]:
     """(dtype, quantization) from the user's choice, with dtype=None meaning "auto": a GGUF file
-    runs quantized in bfloat16, an HF checkpoint in its own torch_dtype, as vLLM does."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        choices = ", ".join(map(repr, QUANTIZATIONS))
-        raise ValueError(f"quantization must be one of {choices} or None; got {quantization!r}")
+    runs quantized in bfloat16, an HF checkpoint in its own torch_dtype, as vLLM does.
+    `quantization` is one of config.QUANTIZATIONS or None (EngineConfig.validate checks it)."""
     path = resolve_model_path(model)
     if quantization == "gguf" and not path.is_file():
         raise ValueError("quantization='gguf' needs a .gguf model file; use 'int4' or 'int8' for an HF checkpoint")
     if dtype is None:
         if quantization is None and path.is_file():
             quantization = "gguf"
-        dtype = torch.bfloat16 if quantization or path.is_file() else _hf_dtype(path)
+        dtype = torch.bfloat16 if quantization else _hf_dtype(path)
     if quantization is not None and dtype != torch.bfloat16:
         raise ValueError(
             f"quantization={quantization!r} computes in bfloat16 (the int4 kernels' activations); use "
@@ -238,7 +235,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
         else:
             array = dequantize(t.data, t.tensor_type).reshape(shape)
             w = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-            if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % 32 == 0:
+            if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % GROUP_SIZE == 0:
                 w = quantize_rtn(w, 8)
         if permuted and (ours.endswith(".q") or ours.endswith(".k")):
             perm = _unpermute_rows(shape[0], cfg.num_heads if ours.endswith(".q") else cfg.num_kv_heads)
