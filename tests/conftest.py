@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines run eager unless a test asks for the compiled stack (tests/test_compile.py): compiling
+# costs seconds to a minute per engine, and the suite builds hundreds.
+os.environ.setdefault("VERISPEC_COMPILE", "0")
 
 import pytest
 import torch

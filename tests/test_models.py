@@ -7,22 +7,27 @@ import torch
 
 from conftest import FP32_ATOL, FP32_RTOL, TINY_VOCAB, assert_close_to_oracle, hf_model, make_tiny_checkpoint
 from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.compile import CompiledStack, warm_up
+from verispec.models.linear import KERNEL_MAX_ROWS
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import ModelNotFoundError, load_checkpoint, load_tokenizer
 
 BLOCK = 4
 
 
-def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32) -> torch.Tensor:
+def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32, compiled: bool = False) -> torch.Tensor:
     """Logits for every position, fed in the given chunk sizes through a scattered block table."""
     cfg, weights = load_checkpoint(path, dtype)
     model = LlamaModel(cfg, weights)
-    num_blocks = len(ids) // BLOCK + 8
+    num_blocks = max(len(ids), KERNEL_MAX_ROWS) // BLOCK + 8
     shape = (num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    if compiled:
+        model.compiled = CompiledStack(model)
+        warm_up(model, caches, BLOCK, num_blocks)
     table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     outs, done = [], 0
-    with torch.no_grad():
+    with torch.inference_mode():
         for n in chunks:
             meta = build_attention_metadata([SeqSpan(0, n, done + n, table)], BLOCK, torch.device("cpu"), dtype)
             hidden = model(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), meta, caches)

@@ -181,6 +181,8 @@ class EngineConfig:
     prompt_logprobs_chunk_rows: int = 32
     num_threads: int | None = None
     speculative: SpeculativeConfig | None = None
+    # True: never torch.compile the layer stack (also VERISPEC_COMPILE=0); see models/compile.py.
+    enforce_eager: bool = False
 
     @classmethod
     def create(

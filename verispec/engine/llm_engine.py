@@ -16,6 +16,7 @@ from verispec.engine.request import Request, RequestStatus
 from verispec.engine.runner import ModelRunner, StepResult
 from verispec.engine.scheduler import Scheduler, SchedulerOutput
 from verispec.models.default import default_model_path
+from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
 from verispec.outputs import RequestOutput
@@ -55,6 +56,8 @@ class LLMEngine:
         self.model_config = model_cfg
         self.model = LlamaModel(model_cfg, weights, dtype=config.dtype, device=config.device).eval()
         del weights
+        if compile_wanted(config.enforce_eager, config.device):
+            self.model.compiled = CompiledStack(self.model)
         self.tokenizer = load_tokenizer(model_path)
         limit = model_cfg.max_position_embeddings
         if config.max_model_len is None:
@@ -77,6 +80,7 @@ class LLMEngine:
         # Model drafters draft inside the step, before the verify forward; prompt lookup drafts after it.
         in_step = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
         self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step, adaptive=adaptive)
+        warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}

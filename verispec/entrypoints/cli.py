@@ -19,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights stay packed on int4 kernels: gguf keeps a GGUF file's blocks, int4/int8 "
                         "round an HF checkpoint's (default: gguf for a GGUF file under --dtype auto)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="do not compile the layer stack (faster start-up, slower steps)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--logprobs-mode", default="raw_logprobs",
                    choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
@@ -115,6 +117,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(
         args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
         speculative_config=_speculative_config(args),
@@ -147,6 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     engine = EngineConfig.create(
         model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             from verispec.bench import run
 
             return run(args, dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                                  device=args.device,
+                                  device=args.device, enforce_eager=args.enforce_eager,
                                   max_model_len=args.max_model_len, speculative_config=_speculative_config(args)))
     except ValueError as exc:  # bad options: one clear line, no traceback
         print(f"verispec: error: {exc}", file=sys.stderr)

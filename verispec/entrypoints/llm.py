@@ -37,6 +37,7 @@ class LLM:
         max_logprobs: int = 20,
         num_threads: int | None = None,
         speculative_config: "SpeculativeConfig | dict | None" = None,
+        enforce_eager: bool = False,
     ):
         config = EngineConfig.create(
             model=model,
@@ -54,6 +55,7 @@ class LLM:
             max_logprobs=max_logprobs,
             num_threads=num_threads,
             speculative_config=speculative_config,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -12,6 +12,7 @@ Groups:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,7 @@ class AttnGroup:
     row_start: int  # contiguous case: first row
     num_seqs: int
     max_query: int
-    kv_blocks: torch.Tensor | None  # [G, NB] block tables (None: attend to the fresh k/v only)
+    kv_blocks: torch.Tensor | None  # [G * NB] block tables, flat (None: attend to the fresh k/v only)
     mask: torch.Tensor | None  # [G, 1, Q, NB*block_size] additive (0 / -inf); None with causal=True
     causal: bool
     out_valid: torch.Tensor | None  # positions in the flattened [G*Q] output that are real rows
@@ -48,6 +49,7 @@ class AttnGroup:
     # becomes a head of its own, so a verify row computes exactly as the same row decoded alone.
     head_major: bool = False
     head_major_masks: dict = field(default_factory=dict)  # number of kv heads -> mask
+    covers_batch: bool = False  # its real rows are the whole flat batch, in order: no scatter
 
 
 @dataclass(slots=True)
@@ -74,6 +76,8 @@ def build_attention_metadata(
     for span in spans:
         if span.num_query > DECODE_GROUP_MAX_QUERY:
             groups.append(_prefill_group(span, block_size, device, dtype))
+    ends = [0] + [s.start + s.num_query for s in spans]
+    groups[0].covers_batch = len(groups) == 1 and all(s.start == end for s, end in zip(spans, ends))
     return AttentionMetadata(
         slot_mapping=to_device(slot_mapping, dtype=torch.long, device=device),
         groups=groups,
@@ -95,7 +99,7 @@ def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: 
     kv_blocks = mask = None
     if not fresh:
         nb = _num_blocks(span.context_len, block_size)
-        kv_blocks = to_device([span.block_table[:nb]], dtype=torch.long, device=device)
+        kv_blocks = to_device(span.block_table[:nb], dtype=torch.long, device=device)
         offset = span.context_len - span.num_query
         q_pos = torch.arange(span.num_query, device=device)[:, None] + offset
         keys = torch.arange(nb * block_size, device=device)[None, :]
@@ -126,7 +130,7 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
     tables = []
     for s in spans:
         nb = _num_blocks(s.context_len, block_size)
-        tables.append(s.block_table[:nb] + [0] * (max_nb - nb))  # padding blocks are masked out
+        tables.extend(s.block_table[:nb] + [0] * (max_nb - nb))  # padding blocks are masked out
     kv_blocks = to_device(tables, dtype=torch.long, device=device)
     ctx = to_device([s.context_len for s in spans], device=device)
     nq = to_device([s.num_query for s in spans], device=device)
@@ -164,32 +168,41 @@ def paged_attention(
             is_causal=True, scale=scale, enable_gqa=gqa,
         )
         return out[0].transpose(0, 1)
+    if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # every row in one group: no scatter
+        return _group_attention(q, k, v, k_cache, v_cache, meta.groups[0], scale)
     out = torch.empty_like(q)
     for grp in meta.groups:
-        g, nq = grp.num_seqs, grp.max_query
-        if grp.query_index is None:
-            qg = q[grp.row_start : grp.row_start + g * nq].view(g, nq, num_heads, head_dim)
-        else:
-            qg = q[grp.query_index]  # [G, Q, H, D]
-        if grp.kv_blocks is None:
-            rows = slice(grp.row_start, grp.row_start + nq)
-            kg, vg = k[rows][None], v[rows][None]
-        else:  # [G*NB, bs, KV, D] -> [G, NB*bs, KV, D]
-            blocks = grp.kv_blocks.view(-1)
-            kg = k_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
-            vg = v_cache.index_select(0, blocks).view(g, -1, kv_heads, head_dim)
-        if grp.head_major:
-            og = _head_major_attention(qg, kg, vg, grp, scale)
-        else:
-            og = F.scaled_dot_product_attention(
-                qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-                attn_mask=grp.mask, is_causal=grp.causal, scale=scale, enable_gqa=gqa,
-            ).transpose(1, 2)  # [G, Q, H, D]
+        og = _group_attention(q, k, v, k_cache, v_cache, grp, scale)
         if grp.out_rows is None:
-            out[grp.row_start : grp.row_start + g * nq] = og.reshape(g * nq, num_heads, head_dim)
+            out[grp.row_start : grp.row_start + og.shape[0]] = og
         else:
-            out[grp.out_rows] = og.reshape(g * nq, num_heads, head_dim)[grp.out_valid]
+            out[grp.out_rows] = og
     return out
+
+
+def _group_attention(q, k, v, k_cache, v_cache, grp: AttnGroup, scale: float) -> torch.Tensor:
+    """One group's attention: its real rows' outputs, [rows, H, D] in flat-batch order."""
+    g, nq = grp.num_seqs, grp.max_query
+    num_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
+    if grp.query_index is None:
+        qg = q[grp.row_start : grp.row_start + g * nq].view(g, nq, num_heads, head_dim)
+    else:
+        qg = q[grp.query_index]  # [G, Q, H, D]
+    if grp.kv_blocks is None:
+        rows = slice(grp.row_start, grp.row_start + nq)
+        kg, vg = k[rows][None], v[rows][None]
+    else:  # [G*NB, bs, KV, D] -> [G, NB*bs, KV, D]
+        kg = k_cache.index_select(0, grp.kv_blocks).view(g, -1, kv_heads, head_dim)
+        vg = v_cache.index_select(0, grp.kv_blocks).view(g, -1, kv_heads, head_dim)
+    if grp.head_major:
+        og = _head_major_attention(qg, kg, vg, grp, scale)
+    else:
+        og = F.scaled_dot_product_attention(
+            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+            attn_mask=grp.mask, is_causal=grp.causal, scale=scale, enable_gqa=num_heads != kv_heads,
+        ).transpose(1, 2)  # [G, Q, H, D]
+    og = og.reshape(g * nq, num_heads, head_dim)
+    return og if grp.out_valid is None else og[grp.out_valid]
 
 
 def _head_major_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp: AttnGroup,
@@ -212,3 +225,46 @@ def _head_major_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, 
     out = F.scaled_dot_product_attention(folded, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=nq > 1)
     return out.view(g, kv_heads, nq, per_kv, head_dim).transpose(1, 2).reshape(g, nq, num_heads, head_dim)
+
+
+# The running forward's metadata and caches. A compiled layer stack sees attention as one opaque
+# op that takes only tensors and its layer index; the per-step Python structure lives here.
+_context: tuple[AttentionMetadata, list] | None = None
+
+
+@contextmanager
+def attention_context(meta: AttentionMetadata, kv_caches: list):
+    global _context
+    outer, _context = _context, (meta, kv_caches)
+    try:
+        yield
+    finally:
+        _context = outer
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """Paged attention for layer `layer` of the running forward; opaque to torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.ops.verispec.attention(q, k, v, layer, scale)
+    meta, caches = _context
+    return paged_attention(q, k, v, caches[layer][0], caches[layer][1], meta, scale)
+
+
+# The cache write is invisible to the compiler on purpose: the op's output is always used, so it
+# is never reordered or dropped, and the caches need not become graph inputs. A plain library
+# definition dispatches in about half the time of `torch.library.custom_op`.
+_lib = torch.library.Library("verispec", "DEF")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+
+
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    meta, caches = _context
+    return paged_attention(q, k, v, caches[layer][0], caches[layer][1], meta, scale).contiguous()
+
+
+def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+_lib.impl("attention", _attention_op, "CompositeExplicitAutograd")
+_lib.impl("attention", _attention_shape, "Meta")

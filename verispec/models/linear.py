@@ -125,7 +125,8 @@ class QuantLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         planes = self._plane_list  # a tuple: slicing the ModuleList would build a new module per call
-        if x.shape[0] <= self.kernel_max_rows:
+        # A compiled stack only takes kernel-sized batches (models/compile.py) and must not branch.
+        if torch.compiler.is_compiling() or x.shape[0] <= self.kernel_max_rows:
             return planes[0](x) if len(planes) == 1 else planes[0](x) + planes[1](x)
         if self.dense is not None:
             return F.linear(x, self.dense)

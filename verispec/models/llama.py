@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.models.attention import AttentionMetadata, paged_attention
+from verispec.models.attention import AttentionMetadata, attention, attention_context
 from verispec.models.config import ModelConfig
 from verispec.models.linear import make_linear
 from verispec.models.quant import QuantizedWeight, concat_rows
@@ -63,8 +63,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict, prefix: str, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, w: dict, index: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
+        prefix, self.index = f"layers.{index}.", index
         get = lambda name: w.get(prefix + name)  # noqa: E731
         dense = lambda name: w[prefix + name].to(device=device, dtype=dtype)  # noqa: E731
         linear = lambda weight, bias=None: make_linear(weight, dtype, device, bias)  # noqa: E731
@@ -86,7 +87,7 @@ class DecoderLayer(nn.Module):
         self.down = linear(get("down"))
         self.inter = cfg.intermediate_size
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x, cos, sin):
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv(self.attn_norm(x))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, self.head_dim)
@@ -95,7 +96,7 @@ class DecoderLayer(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
         # q and k rotate together: one set of elementwise ops per layer instead of two.
         qk = apply_rope(qk, cos, sin)
-        attn = paged_attention(qk[:, :nh], qk[:, nh:], v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = attention(qk[:, :nh], qk[:, nh:], v, self.index, self.scale)
         x = self.o.forward_residual(attn.reshape(t, self.q_size), x)
         gate_up = self.gate_up(self.mlp_norm(x))
         return self.down.forward_residual(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x)
@@ -119,7 +120,7 @@ class LlamaModel(nn.Module):
         # The lookup needs dense rows; a quantized table is dequantized once (exact values).
         table = (embed.dequantize() if quantized_embed else embed).to(device=device, dtype=dtype)
         self.embed = nn.Parameter(table, requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, f"layers.{i}.", dtype, device) for i in range(n))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, dtype, device) for i in range(n))
         self.norm = RMSNorm(weights["norm"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
         tied = cfg.tie_word_embeddings or "lm_head" not in weights
         if tied and quantized_embed:
@@ -129,6 +130,7 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head = make_linear(embed if tied else weights["lm_head"], dtype, device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.compiled = None  # set by verispec.models.compile
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,11 +146,17 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm, [T, hidden], for every token of the flat batch.
 
         num_layers runs only the first layers (then the final norm): the layer-skip drafter."""
+        with attention_context(meta, kv_caches):
+            if num_layers is None and self.compiled is not None and self.compiled.takes(input_ids):
+                return self.compiled(input_ids, positions)
+            return self.stack(input_ids, positions, num_layers)
+
+    def stack(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer, cache in zip(layers, kv_caches):
-            x = layer(x, cos, sin, meta, cache)
+        for layer in layers:
+            x = layer(x, cos, sin)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,65 @@
+"""The compiled layer stack (verispec.models.compile): oracle logits in the exact tier, exactness
+within the fast tier, no recompiles after warm-up, and the eager fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import TINY_VOCAB, assert_close_to_oracle, random_prompts
+from test_fast_tier import NGRAM, assert_same_output
+from test_models import hf_logits, run_ours
+from verispec import LLM, SamplingParams
+from verispec.models import compile as compile_mod
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    monkeypatch.setenv("VERISPEC_COMPILE", "1")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_exact_tier_matches_hf(tiny_checkpoints, arch):
+    """fp32 through the compiled graph (chunks and decode rows alike): within the fp32 bound."""
+    path = tiny_checkpoints[arch]
+    ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    ours = run_ours(path, ids, [17, 19, 1, 1, 1, 1], compiled=True)
+    assert_close_to_oracle(ours, hf_logits(path, ids))
+
+
+def test_compiled_fast_tier_speculative_equals_plain_without_recompiling(tiny_llama, compiling):
+    """A serving-shaped run (staggered prompt lengths, so steps mix prefill chunks, decode rows and
+    verify rows, 1 to 64 tokens and past it): no graph is compiled after warm-up, no request
+    fails, and speculative output equals plain output (the compiled kernels are batch-invariant)."""
+    prompts = [p + p[:10] for p in random_prompts(6, 6, 70, seed=31)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
+    kw = dict(quantization="int4", max_num_batched_tokens=96)
+    outputs = []
+    for spec in (None, dict(NGRAM, adaptive_verification=True, cost_table=[[1, 1.0], [64, 1.2]])):
+        llm = LLM(tiny_llama, speculative_config=spec, **kw)
+        assert llm.engine.model.compiled is not None and llm.engine.model.compiled.warm
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = llm.generate(prompts, params, use_tqdm=False)
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in out)
+        outputs.append(out)
+    assert_same_output(*outputs)
+
+
+def test_enforce_eager_and_the_environment_switch_compilation_off(tiny_llama, monkeypatch):
+    monkeypatch.setenv("VERISPEC_COMPILE", "1")
+    assert LLM(tiny_llama, enforce_eager=True).engine.model.compiled is None
+    monkeypatch.setenv("VERISPEC_COMPILE", "0")
+    assert LLM(tiny_llama).engine.model.compiled is None
+
+
+def test_no_cpp_compiler_falls_back_to_eager(monkeypatch, caplog):
+    monkeypatch.setenv("VERISPEC_COMPILE", "1")
+    monkeypatch.setattr(compile_mod.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="verispec.compile"):
+        assert not compile_mod.compile_wanted(False, torch.device("cpu"))
+    assert "no C++ compiler" in caplog.text

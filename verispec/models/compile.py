@@ -1,0 +1,89 @@
+"""The compiled layer stack: embedding, every decoder layer and the final norm as one Inductor graph.
+
+Eager PyTorch pays a few microseconds of dispatch per op, and a decode step of a 30-layer model
+runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls themselves. Compiled:
+- Attention stays one opaque op (`verispec::attention`): its per-step structure (groups, block
+  tables) lives in the attention context, so the graph sees only tensors and a layer index.
+- The token count is symbolic. Dynamo makes one graph for a single row, one for
+  2..KERNEL_MAX_ROWS rows (the int4 kernels) and one past it (dequantized matmuls); `warm_up`
+  compiles all three at start-up. After it, guards are not evaluated (they cost more than half a
+  millisecond per step) and a recompile raises instead of stalling a step.
+- Inductor's C++ wrapper calls the kernels from C++, not from a Python wrapper.
+- `enforce_eager=True`, `VERISPEC_COMPILE=0`, or a machine without a C++ compiler runs eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import types
+
+import torch
+
+from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.linear import KERNEL_MAX_ROWS
+
+logger = logging.getLogger("verispec.compile")
+
+
+def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
+    """Whether to compile: not when asked for eager, and not without a C++ compiler on a CPU."""
+    if enforce_eager or os.environ.get("VERISPEC_COMPILE", "1") == "0":
+        return False
+    if device.type == "cpu" and not any(shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+        logger.warning("no C++ compiler found: the model runs eager (slower); install g++ to compile it")
+        return False
+    return True
+
+
+class CompiledStack:
+    """`model.stack` under torch.compile; called by `LlamaModel.forward` inside the attention context."""
+
+    def __init__(self, model, max_tokens: int = KERNEL_MAX_ROWS):
+        # Dynamo keeps compiled graphs (and their guards) on the function's code object. A copy of
+        # the code per model gives each model one graph of its own, so that with guards skipped
+        # two engines in one process can never pick each other's graph.
+        stack = type(model).stack
+        fn = types.FunctionType(stack.__code__.replace(), stack.__globals__, stack.__name__, stack.__defaults__)
+        # No guards at all: this model's one graph serves every call `takes` admits (inference
+        # tensors, up to max_tokens rows, the size symbolic), and checking ~300 weight tensors'
+        # guards would cost more than half a millisecond per step.
+        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        self._fn = torch.compile(types.MethodType(fn, model), dynamic=True, options=options)
+        self.max_tokens = max_tokens
+        self.warm = False
+
+    def takes(self, input_ids: torch.Tensor) -> bool:
+        """Decode and verify steps; a prefill chunk's matmuls dwarf its per-op overhead: eager.
+        The graph is built for inference tensors (the engine's); others run eager too."""
+        return input_ids.shape[0] <= self.max_tokens and input_ids.is_inference()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.warm:  # compiling: one graph whatever the size, 1 included (no 0/1 specialisation)
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
+        return self._fn(input_ids, positions)
+
+
+def warm_up_sizes() -> tuple[int, ...]:
+    """The compile (2 tokens), then the sizes that must not recompile: one row, the most rows."""
+    return (2, 1, KERNEL_MAX_ROWS)
+
+
+@torch.inference_mode()
+def warm_up(model, kv_layers: list, block_size: int, num_blocks: int) -> None:
+    """Compiles every graph before the first request. The dummy tokens write into free blocks
+    (a block is always written before it is read), so the cache needs no cleaning afterwards."""
+    compiled = model.compiled
+    if compiled is None:
+        return
+    dev = model.embed.device
+    for n in warm_up_sizes():
+        nb = -(-n // block_size)
+        if nb > num_blocks:
+            raise ValueError(f"the KV pool ({num_blocks} blocks) is too small to warm up {n} tokens; "
+                             "raise num_kv_blocks or use enforce_eager=True")
+        meta = build_attention_metadata([SeqSpan(0, n, n, list(range(nb)))], block_size, dev, model.dtype)
+        model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta, kv_layers)
+    compiled.warm = True
