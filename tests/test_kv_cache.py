@@ -235,3 +235,20 @@ TestBlockPoolMachine = BlockPoolMachine.TestCase
 TestBlockPoolMachine.settings = settings(
     max_examples=examples(200), stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_a_rolled_back_request_regrows_into_the_blocks_it_gave_back():
+    """Speculative rollback frees a request's trailing blocks; its next allocation takes them
+    again, so a lone request's table stays one consecutive run (attention slices it)."""
+    pool = BlockPool(num_blocks=16, block_size=4)
+    assert pool.allocate("a", 12)  # blocks 0, 1, 2
+    assert pool.allocate("b", 4)  # block 3
+    assert pool.allocate("a", 20)  # a draft verify run grows "a" past b: 4, 5
+    pool.truncate("a", 13)  # drafts rejected: 5 goes back
+    assert pool.allocate("a", 20)
+    assert pool.table("a") == [0, 1, 2, 4, 5]
+    pool.free("b")
+    pool.truncate("a", 12)
+    assert pool.allocate("a", 24)
+    assert pool.table("a") == [0, 1, 2, 4, 5, 6]
+    check_conservation(pool)

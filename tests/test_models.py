@@ -15,8 +15,10 @@ from verispec.models.loader import ModelNotFoundError, load_checkpoint, load_tok
 BLOCK = 4
 
 
-def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32, compiled: bool = False) -> torch.Tensor:
-    """Logits for every position, fed in the given chunk sizes through a scattered block table."""
+def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32, compiled: bool = False,
+             consecutive: bool = False) -> torch.Tensor:
+    """Logits for every position, fed in the given chunk sizes through a scattered block table
+    (gathered by attention) or a consecutive one (sliced)."""
     cfg, weights = load_checkpoint(path, dtype)
     model = LlamaModel(cfg, weights)
     num_blocks = max(len(ids), KERNEL_MAX_ROWS) // BLOCK + 8
@@ -25,7 +27,8 @@ def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32, 
     if compiled:
         model.compiled = CompiledStack(model)
         warm_up(model, caches, BLOCK, num_blocks)
-    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    table = list(range(3, num_blocks)) if consecutive else torch.randperm(
+        num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     outs, done = [], 0
     with torch.inference_mode():
         for n in chunks:
@@ -42,11 +45,12 @@ def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_prefill_and_decode_logits_match_hf(tiny_checkpoints, arch):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_prefill_and_decode_logits_match_hf(tiny_checkpoints, arch, consecutive):
     path = tiny_checkpoints[arch]
     ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     # One prefill chunk, a second chunk attending to the first through the cache, then decode steps.
-    ours = run_ours(path, ids, [17, 19, 1, 1, 1, 1])
+    ours = run_ours(path, ids, [17, 19, 1, 1, 1, 1], consecutive=consecutive)
     assert_close_to_oracle(ours, hf_logits(path, ids))
 
 

@@ -154,7 +154,7 @@ class SpeculativeConfig:
 
 # Defaults shared by EngineConfig, LLM's keyword arguments and the command line.
 DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass(slots=True)

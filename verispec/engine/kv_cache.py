@@ -60,7 +60,9 @@ class BlockPool:
             return
         keep = self.blocks_needed(num_tokens)
         while len(table) > keep:
-            self._free.append(table.pop())
+            # Front of the queue: the request's next block is the one it just gave back, so a
+            # table stays one run of consecutive blocks, which attention reads without a gather.
+            self._free.appendleft(table.pop())
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, None)

@@ -41,6 +41,8 @@ class AttnGroup:
     num_seqs: int
     max_query: int
     kv_blocks: torch.Tensor | None  # [G * NB] block tables, flat (None: attend to the fresh k/v only)
+    # One sequence whose blocks are consecutive, [first, last + 1): the cache is sliced, not gathered.
+    kv_run: tuple[int, int] | None
     mask: torch.Tensor | None  # [G, 1, Q, NB*block_size] additive (0 / -inf); None with causal=True
     causal: bool
     out_valid: torch.Tensor | None  # positions in the flattened [G*Q] output that are real rows
@@ -90,23 +92,30 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+def _run(blocks: list[int]) -> tuple[int, int] | None:
+    """(first, last + 1) when the blocks are consecutive and ascending, else None."""
+    first, end = blocks[0], blocks[0] + len(blocks)
+    return (first, end) if blocks == list(range(first, end)) else None
+
+
 def _num_blocks(context_len: int, block_size: int) -> int:
     return -(-context_len // block_size)
 
 
 def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: torch.dtype) -> AttnGroup:
     fresh = span.context_len == span.num_query  # no earlier chunk: attend to this chunk's k/v
-    kv_blocks = mask = None
+    kv_blocks = mask = kv_run = None
     if not fresh:
         nb = _num_blocks(span.context_len, block_size)
         kv_blocks = to_device(span.block_table[:nb], dtype=torch.long, device=device)
+        kv_run = _run(span.block_table[:nb])
         offset = span.context_len - span.num_query
         q_pos = torch.arange(span.num_query, device=device)[:, None] + offset
         keys = torch.arange(nb * block_size, device=device)[None, :]
         mask = _additive(((keys <= q_pos) & (keys < span.context_len))[None, None], dtype)
     return AttnGroup(
         query_index=None, row_start=span.start, num_seqs=1, max_query=span.num_query,
-        kv_blocks=kv_blocks, mask=mask, causal=fresh, out_valid=None, out_rows=None,
+        kv_blocks=kv_blocks, kv_run=kv_run, mask=mask, causal=fresh, out_valid=None, out_rows=None,
     )
 
 
@@ -142,7 +151,8 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
     head_major = dtype != torch.float32
     return AttnGroup(
         query_index=query_index, row_start=spans[0].start, num_seqs=g, max_query=max_q,
-        kv_blocks=kv_blocks, mask=_additive(mask[:, None], dtype), causal=False, out_valid=out_valid, out_rows=out_rows,
+        kv_blocks=kv_blocks, kv_run=_run(tables) if g == 1 else None, mask=_additive(mask[:, None], dtype),
+        causal=False, out_valid=out_valid, out_rows=out_rows,
         head_major=head_major,
     )
 
@@ -191,6 +201,9 @@ def _group_attention(q, k, v, k_cache, v_cache, grp: AttnGroup, scale: float) ->
     if grp.kv_blocks is None:
         rows = slice(grp.row_start, grp.row_start + nq)
         kg, vg = k[rows][None], v[rows][None]
+    elif grp.kv_run is not None:
+        kg = k_cache[grp.kv_run[0] : grp.kv_run[1]].view(1, -1, kv_heads, head_dim)
+        vg = v_cache[grp.kv_run[0] : grp.kv_run[1]].view(1, -1, kv_heads, head_dim)
     else:  # [G*NB, bs, KV, D] -> [G, NB*bs, KV, D]
         kg = k_cache.index_select(0, grp.kv_blocks).view(g, -1, kv_heads, head_dim)
         vg = v_cache.index_select(0, grp.kv_blocks).view(g, -1, kv_heads, head_dim)
