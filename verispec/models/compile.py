@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 import types
 
 import torch
@@ -79,6 +80,9 @@ def warm_up(model, kv_layers: list, block_size: int, num_blocks: int) -> None:
     if compiled is None:
         return
     dev = model.embed.device
+    start = time.perf_counter()
+    logger.info("compiling the layer stack (about a minute the first time, seconds once cached; "
+                "enforce_eager=True skips it)")
     for n in warm_up_sizes():
         nb = -(-n // block_size)
         if nb > num_blocks:
@@ -87,3 +91,4 @@ def warm_up(model, kv_layers: list, block_size: int, num_blocks: int) -> None:
         meta = build_attention_metadata([SeqSpan(0, n, n, list(range(nb)))], block_size, dev, model.dtype)
         model(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), meta, kv_layers)
     compiled.warm = True
+    logger.info("layer stack compiled and warmed up in %.1f s", time.perf_counter() - start)
