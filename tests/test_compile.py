@@ -63,3 +63,9 @@ def test_no_cpp_compiler_falls_back_to_eager(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="verispec.compile"):
         assert not compile_mod.compile_wanted(False, torch.device("cpu"))
     assert "no C++ compiler" in caplog.text
+
+
+def test_cuda_runs_eager_until_the_compiled_step_is_tested_there(monkeypatch):
+    monkeypatch.setenv("VERISPEC_COMPILE", "1")
+    assert not compile_mod.compile_wanted(False, torch.device("cuda"))
+    assert compile_mod.compile_wanted(False, torch.device("cpu"))

@@ -9,7 +9,8 @@ runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls the
   compiles all three at start-up. After it, guards are not evaluated (they cost more than half a
   millisecond per step) and a recompile raises instead of stalling a step.
 - Inductor's C++ wrapper calls the kernels from C++, not from a Python wrapper.
-- `enforce_eager=True`, `VERISPEC_COMPILE=0`, or a machine without a C++ compiler runs eager.
+- `enforce_eager=True`, `VERISPEC_COMPILE=0`, or a machine without a C++ compiler runs eager; so
+  does CUDA for now (untested there, and CUDA graphs are what a GPU step needs).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ logger = logging.getLogger("verispec.compile")
 
 
 def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
-    """Whether to compile: not when asked for eager, and not without a C++ compiler on a CPU."""
+    """Whether to compile: on a CPU with a C++ compiler, unless asked for eager."""
     if enforce_eager or os.environ.get("VERISPEC_COMPILE", "1") == "0":
         return False
-    if device.type == "cpu" and not any(shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+    if device.type != "cpu":  # not yet run on a GPU, where CUDA graphs are the lever: eager until it is
+        return False
+    if not any(shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "clang++")):
         logger.warning("no C++ compiler found: the model runs eager (slower); install g++ to compile it")
         return False
     return True
