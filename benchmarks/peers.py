@@ -96,7 +96,9 @@ class VerispecSystem:
         self.spec_llm: Any = None
 
     def variant_label(self, variant: str) -> str:
-        return self.label if variant == PLAIN else f"{self.label} + ngram k={SPEC_K}"
+        if variant == PLAIN:
+            return self.label
+        return f"{self.label} + ngram k={SPEC_K}" + (" adaptive" if self.tier.adaptive else "")
 
     def _engine(self, variant: str) -> Any:
         if variant == PLAIN:
@@ -105,8 +107,9 @@ class VerispecSystem:
             from verispec import LLM
 
             # The best drafter of the sweep; batch 1 needs a small KV pool, not the default one.
-            self.spec_llm = LLM(dtype=self.tier.dtype, num_kv_blocks=256,
-                                speculative_config={"method": "ngram", "num_speculative_tokens": SPEC_K})
+            spec = {"method": "ngram", "num_speculative_tokens": SPEC_K,
+                    "adaptive_verification": self.tier.adaptive}
+            self.spec_llm = LLM(dtype=self.tier.dtype, num_kv_blocks=256, speculative_config=spec)
         return self.spec_llm
 
     def generate(self, prompts: list[Prompt], max_tokens: int, variant: str = PLAIN,

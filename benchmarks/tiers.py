@@ -27,10 +27,15 @@ class Tier:
     key: str  # the Result.system of its rows
     label: str
     dtype: str  # LLM(dtype=...)
+    # The speculative row verifies with adaptive verification. In the fast tier a verify row costs
+    # more against a decode row than in the exact tier (the int4 kernel pays per row, bf16 SDPA per
+    # head), so a fixed k=5 that pays in fp32 does not pay there; the budget chooser, with the
+    # tier's own cost profile, decides how many drafts do.
+    adaptive: bool = False
 
 
 EXACT = Tier("verispec", "verispec", "float32")
-FAST = Tier("verispec_fast", "verispec fast (gguf int4)", "auto")
+FAST = Tier("verispec_fast", "verispec fast (gguf int4)", "auto", adaptive=True)
 TIERS: dict[str, Tier] = {t.key: t for t in (EXACT, FAST)}
 
 # (prompts, new tokens) of the fidelity check: the bar's own size in a full run; a smoke-test
