@@ -204,7 +204,7 @@ def test_verispec_system_passes_each_tier_dtype_explicitly(monkeypatch):
     _FakeLLM.made = []
     fast = load_system(FAST.key, "model.gguf", 2, None, print)
     assert isinstance(fast, VerispecSystem) and (fast.key, fast.label) == (FAST.key, FAST.label)
-    assert fast.variant_label(SPEC) == f"{FAST.label} + ngram k={SPEC_K}"
+    assert fast.variant_label(SPEC) == f"{FAST.label} + ngram k={SPEC_K} adaptive"
     assert fast.precision() == {"dtype": "bfloat16", "quantization": "gguf"}
     fast._engine(SPEC)
     exact = load_system(EXACT.key, "model.gguf", 2, None, print)
@@ -212,8 +212,11 @@ def test_verispec_system_passes_each_tier_dtype_explicitly(monkeypatch):
     assert exact.precision() == {"dtype": "float32", "quantization": None}
     exact.engines()  # builds the exact tier's speculative engine for the sweep
     assert [m["dtype"] for m in _FakeLLM.made] == ["auto", "auto", "float32", "float32"]
-    assert _FakeLLM.made[1]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": SPEC_K}
-    assert _FakeLLM.made[3]["speculative_config"] == _FakeLLM.made[1]["speculative_config"]
+    # The fast tier verifies adaptively (its verify rows cost more), the exact tier with fixed k.
+    ngram = {"method": "ngram", "num_speculative_tokens": SPEC_K}
+    assert _FakeLLM.made[1]["speculative_config"] == dict(ngram, adaptive_verification=True)
+    assert _FakeLLM.made[3]["speculative_config"] == dict(ngram, adaptive_verification=False)
+    assert exact.variant_label(SPEC) == f"verispec + ngram k={SPEC_K}"
     with pytest.raises(ValueError, match="verispec_fast"):
         load_system("vllm", "model.gguf", 2, None, print)
 
