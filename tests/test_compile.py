@@ -21,7 +21,7 @@ def compiling(monkeypatch):
     monkeypatch.setenv("VERISPEC_COMPILE", "1")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_compiled_exact_tier_matches_hf(tiny_checkpoints, arch):
     """fp32 through the compiled graph (chunks and decode rows alike): within the fp32 bound."""
     path = tiny_checkpoints[arch]
