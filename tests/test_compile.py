@@ -30,13 +30,14 @@ def test_compiled_exact_tier_matches_hf(tiny_checkpoints, arch):
     assert_close_to_oracle(ours, hf_logits(path, ids))
 
 
-def test_compiled_fast_tier_speculative_equals_plain_without_recompiling(tiny_llama, compiling):
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_compiled_fast_tier_speculative_equals_plain_without_recompiling(tiny_llama, compiling, quantization):
     """A serving-shaped run (staggered prompt lengths, so steps mix prefill chunks, decode rows and
     verify rows, 1 to 64 tokens and past it): no graph is compiled after warm-up, no request
     fails, and speculative output equals plain output (the compiled kernels are batch-invariant)."""
     prompts = [p + p[:10] for p in random_prompts(6, 6, 70, seed=31)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
-    kw = dict(quantization="int4", max_num_batched_tokens=96)
+    kw = dict(quantization=quantization, max_num_batched_tokens=96)
     outputs = []
     for spec in (None, dict(NGRAM, adaptive_verification=True, cost_table=[[1, 1.0], [64, 1.2]])):
         llm = LLM(tiny_llama, speculative_config=spec, **kw)
@@ -47,7 +48,7 @@ def test_compiled_fast_tier_speculative_equals_plain_without_recompiling(tiny_ll
         assert counters["stats"]["unique_graphs"] == graphs
         assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in out)
         outputs.append(out)
-    print(f"compiled int4: max |logprob spec - plain| = {assert_same_output(*outputs):.2e}")
+    print(f"compiled {quantization}: max |logprob spec - plain| = {assert_same_output(*outputs):.2e}")
 
 
 def test_enforce_eager_and_the_environment_switch_compilation_off(tiny_llama, monkeypatch):
