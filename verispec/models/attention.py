@@ -259,8 +259,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     """Paged attention for layer `layer` of the running forward; opaque to torch.compile."""
     if torch.compiler.is_compiling():
         return torch.ops.verispec.attention(q, k, v, layer, scale)
-    meta, caches = _context
-    return paged_attention(q, k, v, caches[layer][0], caches[layer][1], meta, scale)
+    return _attention_op(q, k, v, layer, scale)
 
 
 # The cache write is invisible to the compiler on purpose: the op's output is always used, so it
