@@ -139,7 +139,8 @@ class LlamaModel(nn.Module):
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
-        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]  # rotate_half's sign
+        s = freqs.sin()
+        sin = torch.cat((-s, s), dim=-1)[:, None, :]  # rotate_half's sign
         return emb.cos().to(self.dtype), sin.to(self.dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, num_layers: int | None = None):
