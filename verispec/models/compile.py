@@ -37,7 +37,7 @@ def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
         return False
     if device.type != "cpu":  # not yet run on a GPU, where CUDA graphs are the lever: eager until it is
         return False
-    if not any(shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "clang++")):
+    if not any(shutil.which(cc) for cc in (os.environ.get("CXX"), "g++", "clang++") if cc):
         logger.warning("no C++ compiler found: the model runs eager (slower); install g++ to compile it")
         return False
     return True
