@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import FP32_ATOL, FP32_RTOL, TINY_VOCAB, assert_close_to_oracle, hf_model, make_tiny_checkpoint
-from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.attention import SeqSpan, build_attention_metadata, kernel_layout, new_layer_cache
 from verispec.models.compile import CompiledStack, warm_up
 from verispec.models.linear import KERNEL_MAX_ROWS
 from verispec.models.llama import LlamaModel
@@ -16,23 +16,24 @@ BLOCK = 4
 
 
 def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32, compiled: bool = False,
-             consecutive: bool = False) -> torch.Tensor:
+             consecutive: bool = False, block: int = BLOCK) -> torch.Tensor:
     """Logits for every position, fed in the given chunk sizes through a scattered block table
-    (gathered by attention) or a consecutive one (sliced)."""
+    (gathered by attention) or a consecutive one (sliced). Blocks of 16 run the CPU decode kernel
+    where it is available; blocks of 4 always run SDPA."""
     cfg, weights = load_checkpoint(path, dtype)
     model = LlamaModel(cfg, weights)
-    num_blocks = max(len(ids), KERNEL_MAX_ROWS) // BLOCK + 8
-    shape = (num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    num_blocks = max(len(ids), KERNEL_MAX_ROWS) // block + 8
+    caches = [new_layer_cache(num_blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
+              for _ in range(cfg.num_layers)]
     if compiled:
         model.compiled = CompiledStack(model)
-        warm_up(model, caches, BLOCK, num_blocks)
+        warm_up(model, caches, block, num_blocks)
     table = list(range(3, num_blocks)) if consecutive else torch.randperm(
         num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     outs, done = [], 0
     with torch.inference_mode():
         for n in chunks:
-            meta = build_attention_metadata([SeqSpan(0, n, done + n, table)], BLOCK, torch.device("cpu"), dtype)
+            meta = build_attention_metadata([SeqSpan(0, n, done + n, table)], block, torch.device("cpu"), dtype)
             hidden = model(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), meta, caches)
             outs.append(model.compute_logits(hidden).float())
             done += n
@@ -46,12 +47,24 @@ def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("consecutive", [False, True])
-def test_prefill_and_decode_logits_match_hf(tiny_checkpoints, arch, consecutive):
+@pytest.mark.parametrize("block", [BLOCK, 16])
+def test_prefill_and_decode_logits_match_hf(tiny_checkpoints, arch, consecutive, block):
     path = tiny_checkpoints[arch]
-    ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    # One prefill chunk, a second chunk attending to the first through the cache, then decode steps.
-    ours = run_ours(path, ids, [17, 19, 1, 1, 1, 1], consecutive=consecutive)
+    ids = torch.randint(0, TINY_VOCAB, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+    # A prefill chunk, a second chunk attending to the first through the cache, a verify-sized
+    # step of short-query rows, then decode steps.
+    ours = run_ours(path, ids, [21, 30, 5, 1, 1, 1, 1], consecutive=consecutive, block=block)
     assert_close_to_oracle(ours, hf_logits(path, ids))
+
+
+def test_decode_kernel_runs_where_a_compiler_is():
+    """The CPU kernel is what blocks of 16 exercise above, on any machine with a C++ compiler."""
+    import shutil
+
+    if not shutil.which("g++"):
+        pytest.skip("no C++ compiler")
+    assert kernel_layout(torch.device("cpu"), 16, 16)
+    assert not kernel_layout(torch.device("cpu"), BLOCK, 16)
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):

@@ -11,6 +11,7 @@ from collections import deque
 
 import torch
 
+from verispec.models.attention import new_layer_cache
 from verispec.models.config import ModelConfig
 
 
@@ -75,12 +76,11 @@ class BlockPool:
 
 
 class KVCacheTensors:
-    """One (k, v) pair per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+    """One `LayerCache` (k, v) per layer: [num_blocks, block_size, kv_heads, head_dim] each, the
+    keys transposed within a block where the CPU attention kernel runs."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device, num_layers=None):
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         n = cfg.num_layers if num_layers is None else num_layers
         self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(n)
+            new_layer_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device) for _ in range(n)
         ]

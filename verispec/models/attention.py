@@ -4,7 +4,13 @@ The per-step metadata is built once on the host (`build_attention_metadata`) and
 layer: Python work per layer is the enemy on a CPU, so each layer does one cache write plus one
 SDPA call per *group*, never a loop over requests.
 
-Groups:
+On a CPU, verispec's kernel (`csrc/paged_attention.cpp`) writes the step's keys and values and
+attends every row straight from the cache blocks, with no gather and no mask; its key cache holds
+each block transposed (`LayerCache.keys_transposed`). A row's result depends only on its own query
+and keys, never on how the step was cut: a verify row, a decode row and the same position inside
+a prefill chunk of any length compute bit for bit alike.
+
+Elsewhere (CUDA, or no C++ compiler) attention runs on SDPA, in groups:
 - one "decode" group holds every request with a short query (plain decode or 1 + k verify rows),
   padded to the longest query and the longest context in the group;
 - each prefill chunk is its own group, so a 512-token chunk never pads a 1-token decode.
@@ -14,11 +20,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from verispec.device_copy import to_device
+from verispec.models.cpu_kernels import paged_attention_available
 
 # Queries at most this long share the padded decode group.
 DECODE_GROUP_MAX_QUERY = 16
@@ -55,10 +63,52 @@ class AttnGroup:
 
 
 @dataclass(slots=True)
+class KernelSeqs:
+    """The step's sequences as the CPU kernel takes them."""
+
+    seqs: torch.Tensor  # [S, 3] int64: first row, query rows, context length
+    tables: torch.Tensor  # [S, NB] int64 block tables, padded with block 0 (never read)
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
+    """Built once per step; the first layer builds the form its cache takes (SDPA groups or the
+    kernel's tensors) and the other layers reuse it."""
+
     slot_mapping: torch.Tensor  # [T] cache slot written by each token of the flat batch
-    groups: list[AttnGroup]
+    spans: list[SeqSpan]
+    block_size: int
+    dtype: torch.dtype
     num_tokens: int
+    _groups: list[AttnGroup] | None = None
+    _kernel: KernelSeqs | None = None
+
+    @property
+    def groups(self) -> list[AttnGroup]:
+        """SDPA groups: the padded decode group (if any query is short), then one per prefill chunk."""
+        if self._groups is None:
+            dev, bs = self.slot_mapping.device, self.block_size
+            decode = [s for s in self.spans if s.num_query <= DECODE_GROUP_MAX_QUERY]
+            groups = [_padded_group(decode, bs, dev, self.dtype)] if decode else []
+            groups += [_prefill_group(s, bs, dev, self.dtype) for s in self.spans if s.num_query > DECODE_GROUP_MAX_QUERY]
+            ends = [0] + [s.start + s.num_query for s in self.spans]
+            groups[0].covers_batch = len(groups) == 1 and all(s.start == e for s, e in zip(self.spans, ends))
+            self._groups = groups
+        return self._groups
+
+    @property
+    def kernel(self) -> KernelSeqs:
+        if self._kernel is None:
+            width = max(_num_blocks(s.context_len, self.block_size) for s in self.spans)
+            tables = []
+            for s in self.spans:
+                nb = _num_blocks(s.context_len, self.block_size)
+                tables.extend(s.block_table[:nb] + [0] * (width - nb))
+            dev, n = self.slot_mapping.device, len(self.spans)
+            seqs = [x for s in self.spans for x in (s.start, s.num_query, s.context_len)]
+            self._kernel = KernelSeqs(seqs=to_device(seqs, dtype=torch.long, device=dev).view(n, 3),
+                                      tables=to_device(tables, dtype=torch.long, device=dev).view(n, width))
+        return self._kernel
 
 
 def build_attention_metadata(
@@ -71,20 +121,32 @@ def build_attention_metadata(
             table[pos // block_size] * block_size + pos % block_size
             for pos in range(span.context_len - span.num_query, span.context_len)
         )
-    decode = [s for s in spans if s.num_query <= DECODE_GROUP_MAX_QUERY]
-    groups = []
-    if decode:
-        groups.append(_padded_group(decode, block_size, device, dtype))
-    for span in spans:
-        if span.num_query > DECODE_GROUP_MAX_QUERY:
-            groups.append(_prefill_group(span, block_size, device, dtype))
-    ends = [0] + [s.start + s.num_query for s in spans]
-    groups[0].covers_batch = len(groups) == 1 and all(s.start == end for s, end in zip(spans, ends))
     return AttentionMetadata(
-        slot_mapping=to_device(slot_mapping, dtype=torch.long, device=device),
-        groups=groups,
-        num_tokens=len(slot_mapping),
+        slot_mapping=to_device(slot_mapping, dtype=torch.long, device=device), spans=spans,
+        block_size=block_size, dtype=dtype, num_tokens=len(slot_mapping),
     )
+
+
+class LayerCache(NamedTuple):
+    """One layer's paged cache. v is [blocks, block_size, kv_heads, head_dim]; k is the same, or
+    [blocks, kv_heads, head_dim, block_size] when `keys_transposed` (the CPU kernel's layout)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    keys_transposed: bool = False
+
+
+def kernel_layout(device: torch.device, block_size: int, head_dim: int) -> bool:
+    """Whether caches on this device use the CPU decode kernel (and so its key layout)."""
+    return device.type == "cpu" and block_size % 16 == 0 and head_dim % 16 == 0 and paged_attention_available()
+
+
+def new_layer_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device) -> LayerCache:
+    transposed = kernel_layout(torch.device(device), block_size, head_dim)
+    k_shape = (num_blocks, kv_heads, head_dim, block_size) if transposed else (num_blocks, block_size, kv_heads, head_dim)
+    v_shape = (num_blocks, block_size, kv_heads, head_dim)
+    return LayerCache(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device),
+                      transposed)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -161,12 +223,14 @@ def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KV, D]
     v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
-    v_cache: torch.Tensor,
+    cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Writes this step's k/v into the cache, then attends; returns [T, H, D]."""
+    if cache.keys_transposed:
+        return _kernel_attention(q, k, v, cache, meta, scale)
+    k_cache, v_cache = cache.k, cache.v
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -187,6 +251,15 @@ def paged_attention(
             out[grp.row_start : grp.row_start + og.shape[0]] = og
         else:
             out[grp.out_rows] = og
+    return out
+
+
+def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The CPU kernel writes every row's k/v into the cache, then attends every row."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    seqs = meta.kernel
+    torch.ops.verispec_cpu.paged_attention.default(q, k, v, cache.k, cache.v, meta.slot_mapping, seqs.seqs, seqs.tables,
+                                                scale, out)
     return out
 
 
@@ -271,7 +344,7 @@ _lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> 
 
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     meta, caches = _context
-    return paged_attention(q, k, v, caches[layer][0], caches[layer][1], meta, scale).contiguous()
+    return paged_attention(q, k, v, caches[layer], meta, scale).contiguous()
 
 
 def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:

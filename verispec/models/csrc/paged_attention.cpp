@@ -1,0 +1,302 @@
+// Paged attention for the CPU: writes a step's keys and values into the paged cache, then attends
+// every row of the step (decode, verify and prefill-chunk rows alike) straight from the cache
+// blocks, causally, with no gather and no mask.
+//
+// Layout: the key cache is [blocks, kv_heads, head_dim, block_size] (each block's keys
+// transposed), so a vector of lanes holds consecutive keys' products and a query row's scores
+// build up one head element after another, with no horizontal sums. The value cache is the usual
+// [blocks, block_size, kv_heads, head_dim].
+//
+// Work items are (sequence, kv head, tile of query rows), and every number a query row produces
+// depends only on that row, its keys and the head size: no loop looks at how many rows, heads or
+// sequences share the step. A verify row therefore computes bit for bit as the same row decoded
+// alone or inside a prefill chunk of any length, in every dtype: speculative output equals plain
+// output whatever the scheduler's chunking.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kRows = 4;  // query vectors scored together (independent FMA chains)
+constexpr int64_t kTile = 8;  // query rows per work item
+
+template <typename T>
+inline Vec load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+template <typename T>
+inline void store_float(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy_n(src, n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+template <typename T>
+void write_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const int64_t* slots) {
+  const int64_t kv_heads = v_cache.size(2), head = v_cache.size(3), block_size = v_cache.size(1);
+  const T *ks = k.data_ptr<T>(), *vs = v.data_ptr<T>();
+  T *kd = k_cache.data_ptr<T>(), *vd = v_cache.data_ptr<T>();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* kr = ks + t * k.stride(0) + h * k.stride(1);
+      T* kt = kd + ((block * kv_heads + h) * head) * block_size + offset;
+      for (int64_t d = 0; d < head; ++d) kt[d * block_size] = kr[d];
+      std::copy_n(vs + t * v.stride(0) + h * v.stride(1), head, vd + (slots[t] * kv_heads + h) * head);
+    }
+  }
+}
+
+// Scores of R query rows (float, `q_stride` apart) against B blocks' transposed keys [head][bs]
+// at once: R * B independent FMA chains. Each lane still sums over the head in order, so a score
+// does not depend on R or B.
+template <int R, int B, typename T>
+inline void score_blocks(const float* q, int64_t q_stride, const T* const* keys_t, int64_t head,
+                         int64_t block_size, float scale, float* out, int64_t out_stride) {
+  for (int64_t l = 0; l < block_size; l += Vec::size()) {
+    Vec acc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) acc[r][b] = Vec(0.f);
+    for (int64_t d = 0; d < head; ++d) {
+      Vec k[B];
+      for (int b = 0; b < B; ++b) k[b] = load_float(keys_t[b] + d * block_size + l);
+      for (int r = 0; r < R; ++r) {
+        const Vec qd(q[r * q_stride + d]);
+        for (int b = 0; b < B; ++b) acc[r][b] = at::vec::fmadd(qd, k[b], acc[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) (acc[r][b] * Vec(scale)).store(out + r * out_stride + b * block_size + l);
+  }
+}
+
+template <int B, typename T>
+inline void score_rows(int64_t count, const float* q, int64_t q_stride, const T* const* keys_t, int64_t head,
+                       int64_t block_size, float scale, float* out, int64_t out_stride) {
+  switch (count) {
+    case 4: score_blocks<4, B>(q, q_stride, keys_t, head, block_size, scale, out, out_stride); break;
+    case 3: score_blocks<3, B>(q, q_stride, keys_t, head, block_size, scale, out, out_stride); break;
+    case 2: score_blocks<2, B>(q, q_stride, keys_t, head, block_size, scale, out, out_stride); break;
+    default: score_blocks<1, B>(q, q_stride, keys_t, head, block_size, scale, out, out_stride); break;
+  }
+}
+
+// For R rows at once, acc_r[0, M lanes) = sum over row r's first n_r keys of w_r[j] * v_j[d0, ...),
+// in key order (n_0 <= n_1 <= ...; rows share the loads of the values).
+template <int R, int M, typename T>
+inline void weigh_values(const float* const* weight, const int64_t* n, const T* v_cache, const int64_t* blocks,
+                         int64_t block_size, int64_t row_stride, int64_t d0, float* const* acc) {
+  Vec a[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) a[r][m] = Vec(0.f);
+  const int64_t last = n[R - 1];
+  for (int64_t j0 = 0; j0 < last; j0 += block_size) {
+    const T* block = v_cache + blocks[j0 / block_size] * block_size * row_stride + d0;
+    for (int64_t j = j0; j < std::min(last, j0 + block_size); ++j) {
+      const T* row = block + (j - j0) * row_stride;
+      Vec v[M];
+      for (int m = 0; m < M; ++m) v[m] = load_float(row + m * Vec::size());
+      for (int r = 0; r < R; ++r) {
+        if (j >= n[r]) continue;
+        const Vec w(weight[r][j]);
+        for (int m = 0; m < M; ++m) a[r][m] = at::vec::fmadd(w, v[m], a[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) a[r][m].store(acc[r] + m * Vec::size());
+}
+
+template <int R, typename T>
+inline void weigh_all(const float* const* weight, const int64_t* n, const T* v_cache, const int64_t* blocks,
+                      int64_t block_size, int64_t row_stride, int64_t padded, float* const* acc) {
+  for (int64_t d0 = 0; d0 < padded; d0 += 4 * Vec::size()) {
+    float* a[R];
+    for (int r = 0; r < R; ++r) a[r] = acc[r] + d0;
+    switch (std::min<int64_t>(4, (padded - d0) / Vec::size())) {
+      case 4: weigh_values<R, 4>(weight, n, v_cache, blocks, block_size, row_stride, d0, a); break;
+      case 3: weigh_values<R, 3>(weight, n, v_cache, blocks, block_size, row_stride, d0, a); break;
+      case 2: weigh_values<R, 2>(weight, n, v_cache, blocks, block_size, row_stride, d0, a); break;
+      default: weigh_values<R, 1>(weight, n, v_cache, blocks, block_size, row_stride, d0, a); break;
+    }
+  }
+}
+
+// exp(s - max) over the first n scores, in place; returns their sum.
+inline float softmax_weights(float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+  const Vec vmax(mx);
+  Vec vsum(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec e = (Vec::loadu(s + j) - vmax).exp();
+    e.store(s + j);
+    vsum = vsum + e;
+  }
+  if (j < n) {
+    const Vec e = (Vec::loadu(s + j, n - j) - vmax).exp();
+    e.store(s + j, n - j);
+    vsum = vsum + Vec::set(Vec(0.f), e, n - j);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+}
+
+// The work of one (sequence, kv head, tile of query rows) item; buffers are the thread's own.
+struct Buffers {
+  std::vector<float> q, scores, acc, inv;
+  std::vector<int64_t> visible;
+};
+
+template <typename T>
+struct Step {
+  const T *q, *k_cache, *v_cache;
+  T* out;
+  const int64_t* seq;    // [S, 3]: first row, query rows, context length
+  const int64_t* table;  // [S, table_width]
+  int64_t table_width, heads, head, kv_heads, per_kv, block_size, padded;
+  int64_t q_row, q_head, out_row, out_head;  // strides
+  float scale;
+
+  // Query vectors r = i * per_kv + p: row i (of rows [i0, i1) of the sequence), head p of this
+  // kv head. Row i sees keys [0, ctx - nq + i]: causal within the step.
+  void attend(int64_t s, int64_t kvh, int64_t i0, int64_t i1, Buffers& buf) const {
+    const int64_t first = seq[3 * s], nq = seq[3 * s + 1], ctx = seq[3 * s + 2];
+    const int64_t* blocks = table + s * table_width;
+    const int64_t r_count = (i1 - i0) * per_kv;
+    buf.visible.resize(r_count);
+    buf.inv.resize(r_count);
+    for (int64_t r = 0; r < r_count; ++r) buf.visible[r] = ctx - nq + i0 + r / per_kv + 1;
+    const int64_t stride = (buf.visible[r_count - 1] + block_size - 1) / block_size * block_size;  // whole blocks
+    buf.q.assign(r_count * padded, 0.f);
+    for (int64_t r = 0; r < r_count; ++r) {
+      const T* src = q + (first + i0 + r / per_kv) * q_row + (kvh * per_kv + r % per_kv) * q_head;
+      std::transform(src, src + head, buf.q.data() + r * padded, [](T x) { return static_cast<float>(x); });
+    }
+    buf.scores.resize(r_count * stride);
+    for (int64_t r0 = 0; r0 < r_count; r0 += kRows) {
+      const int64_t count = std::min(kRows, r_count - r0);
+      const int64_t last = (buf.visible[r0 + count - 1] + block_size - 1) / block_size;  // blocks this group sees
+      const float* qr = buf.q.data() + r0 * padded;
+      for (int64_t b = 0; b < last; b += 4) {
+        const T* keys_t[4];
+        for (int64_t x = 0; x < 4 && b + x < last; ++x)
+          keys_t[x] = k_cache + (blocks[b + x] * kv_heads + kvh) * head * block_size;
+        float* o = buf.scores.data() + r0 * stride + b * block_size;
+        switch (std::min<int64_t>(4, last - b)) {
+          case 4: score_rows<4>(count, qr, padded, keys_t, head, block_size, scale, o, stride); break;
+          case 3: score_rows<3>(count, qr, padded, keys_t, head, block_size, scale, o, stride); break;
+          case 2: score_rows<2>(count, qr, padded, keys_t, head, block_size, scale, o, stride); break;
+          default: score_rows<1>(count, qr, padded, keys_t, head, block_size, scale, o, stride); break;
+        }
+      }
+    }
+    for (int64_t r = 0; r < r_count; ++r) buf.inv[r] = 1.f / softmax_weights(buf.scores.data() + r * stride, buf.visible[r]);
+    // The weighted values, kRows rows at a time (sharing the value loads).
+    buf.acc.resize(r_count * padded);
+    const T* values = v_cache + kvh * head;
+    for (int64_t r0 = 0; r0 < r_count; r0 += kRows) {
+      const float* w[kRows];
+      float* a[kRows];
+      for (int64_t r = 0; r < kRows; ++r) {
+        w[r] = buf.scores.data() + (r0 + r) * stride;
+        a[r] = buf.acc.data() + (r0 + r) * padded;
+      }
+      const int64_t* n = buf.visible.data() + r0;
+      switch (std::min(kRows, r_count - r0)) {
+        case 4: weigh_all<4>(w, n, values, blocks, block_size, kv_heads * head, padded, a); break;
+        case 3: weigh_all<3>(w, n, values, blocks, block_size, kv_heads * head, padded, a); break;
+        case 2: weigh_all<2>(w, n, values, blocks, block_size, kv_heads * head, padded, a); break;
+        default: weigh_all<1>(w, n, values, blocks, block_size, kv_heads * head, padded, a); break;
+      }
+    }
+    for (int64_t r = 0; r < r_count; ++r) {
+      float* a = buf.acc.data() + r * padded;
+      for (int64_t d = 0; d < padded; d += Vec::size()) (Vec::loadu(a + d) * Vec(buf.inv[r])).store(a + d);
+      store_float(a, out + (first + i0 + r / per_kv) * out_row + (kvh * per_kv + r % per_kv) * out_head, head);
+    }
+  }
+};
+
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seqs,
+                const at::Tensor& tables, double scale, at::Tensor& out) {
+  const int64_t heads = q.size(1), head = q.size(2), kv_heads = v_cache.size(2);
+  const Step<T> step{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
+                     seqs.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), tables.size(1), heads, head, kv_heads,
+                     heads / kv_heads, v_cache.size(1), (head + Vec::size() - 1) / Vec::size() * Vec::size(),
+                     q.stride(0), q.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
+  // Work items: (sequence, kv head, tile of kTile query rows), listed up front.
+  std::vector<std::array<int64_t, 3>> items;
+  int64_t work = 0;
+  for (int64_t s = 0; s < seqs.size(0); ++s) {
+    const int64_t nq = step.seq[3 * s + 1];
+    work += nq * step.seq[3 * s + 2];
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t i0 = 0; i0 < nq; i0 += kTile) items.push_back({s, kvh, i0});
+  }
+  // Small steps stay on one thread: waking the other costs more than it saves.
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t grain = work * heads * head < (1 << 20) ? n_items : 1;
+  at::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
+    Buffers buf;
+    for (int64_t x = begin; x < end; ++x) {
+      const auto [s, kvh, i0] = items[x];
+      step.attend(s, kvh, i0, std::min(i0 + kTile, step.seq[3 * s + 1]), buf);
+    }
+  });
+}
+
+// k, v: this step's [T, KV, D] rows, written to `slots`; then the rows named by `seqs` attend.
+void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& seqs,
+                  const at::Tensor& tables, double scale, at::Tensor out) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  TORCH_CHECK(k_cache.size(1) == v_cache.size(2) && k_cache.size(2) == v_cache.size(3) &&
+                  k_cache.size(3) == v_cache.size(1),
+              "paged_attention: the key cache must be [blocks, kv_heads, head_dim, block_size]");
+  TORCH_CHECK(v_cache.size(1) % Vec::size() == 0 && v_cache.size(3) % Vec::size() == 0,
+              "paged_attention: block size and head size must be multiples of ", Vec::size());
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
+              "paged_attention: the head dimension must be contiguous");
+  TORCH_CHECK(slots.is_contiguous() && seqs.is_contiguous() && tables.is_contiguous(),
+              "paged_attention: metadata must be contiguous");
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    write_cache<T>(k, v, k_cache, v_cache, slots.data_ptr<int64_t>());
+    if (seqs.size(0) > 0) attend_all<T>(q, k_cache, v_cache, seqs, tables, scale, out);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(0.f); break;
+    case at::kBFloat16: run(at::BFloat16(0.f)); break;
+    case at::kHalf: run(at::Half(0.f)); break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 only, got ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(verispec_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "Tensor seqs, Tensor tables, float scale, Tensor(c!) out) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
+}
