@@ -1,0 +1,170 @@
+"""verispec's CPU paged attention kernel against a float64 reference, and the property it exists
+for: a row's output does not depend on how the step was cut (chunks, verify rows, batch mates)."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verispec.models import cpu_kernels
+from verispec.models.attention import (
+    SeqSpan, build_attention_metadata, kernel_layout, new_layer_cache, paged_attention,
+)
+
+BLOCK = 16
+EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.paged_attention_available(), reason="no C++ compiler")
+
+
+def make_cache(num_blocks, kv_heads, head_dim, dtype, seed=0):
+    """A layer cache in the kernel's layout, filled with noise (stale slots must never be read)."""
+    cache = new_layer_cache(num_blocks, BLOCK, kv_heads, head_dim, dtype, "cpu")
+    assert cache.keys_transposed
+    g = torch.Generator().manual_seed(seed)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    return cache
+
+
+def keys_of(cache):
+    """[blocks, block, KV, D] view of the transposed key cache."""
+    return cache.k.permute(0, 3, 1, 2)
+
+
+def reference(q, cache, spans, scale):
+    """Causal attention in float64 over each span's cached keys (the step's own included)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    kv_heads, head_dim = cache.v.shape[2], cache.v.shape[3]
+    per_kv = q.shape[1] // kv_heads
+    for s in spans:
+        nb = -(-s.context_len // BLOCK)
+        k = keys_of(cache)[s.block_table[:nb]].reshape(-1, kv_heads, head_dim)[: s.context_len].double()
+        v = cache.v[s.block_table[:nb]].reshape(-1, kv_heads, head_dim)[: s.context_len].double()
+        k, v = k.repeat_interleave(per_kv, 1), v.repeat_interleave(per_kv, 1)  # [ctx, H, D]
+        qs = q[s.start : s.start + s.num_query].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        pos = torch.arange(s.num_query)[:, None] + s.context_len - s.num_query
+        scores = scores.masked_fill(torch.arange(s.context_len)[None] > pos, float("-inf"))
+        out[s.start : s.start + s.num_query] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def random_step(kv_heads, per_kv, head_dim, dtype, shapes, seed=0):
+    """Spans of (query rows, context length) over scattered blocks, with their q, k, v rows."""
+    rng = random.Random(seed)
+    blocks = list(range(sum(-(-ctx // BLOCK) for _, ctx in shapes) + 4))
+    rng.shuffle(blocks)
+    spans, start = [], 0
+    for nq, ctx in shapes:
+        nb = -(-ctx // BLOCK)
+        spans.append(SeqSpan(start, nq, ctx, blocks[:nb]))
+        blocks, start = blocks[nb:], start + nq
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(start, kv_heads * per_kv, head_dim, generator=g).to(dtype)
+    k = torch.randn(start, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(start, kv_heads, head_dim, generator=g).to(dtype)
+    return spans, q, k, v
+
+
+def run(q, k, v, cache, spans, dtype):
+    meta = build_attention_metadata(spans, BLOCK, torch.device("cpu"), dtype)
+    return paged_attention(q, k, v, cache, meta, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads, per_kv, head_dim", [(3, 3, 64), (2, 2, 80), (4, 1, 32), (1, 4, 128)])
+def test_kernel_matches_float64_attention(dtype, kv_heads, per_kv, head_dim):
+    # A decode row, a verify step, a fresh prefill chunk, a chunk with history, a 1-token context.
+    shapes = [(1, 37), (6, 100), (40, 40), (23, 90), (1, 1)]
+    spans, q, k, v = random_step(kv_heads, per_kv, head_dim, dtype, shapes)
+    cache = make_cache(64, kv_heads, head_dim, dtype)
+    out = run(q, k, v, cache, spans, dtype)
+    # The step's keys and values landed in their slots.
+    meta = build_attention_metadata(spans, BLOCK, torch.device("cpu"), dtype)
+    assert torch.equal(keys_of(cache).reshape(-1, kv_heads, head_dim)[meta.slot_mapping], k)
+    assert torch.equal(cache.v.reshape(-1, kv_heads, head_dim)[meta.slot_mapping], v)
+    ref = reference(q, cache, spans, head_dim**-0.5)
+    # fp32 arithmetic: each score sums head_dim products (error <= head_dim * eps * sum |q k|), a
+    # softmax weight's relative error follows the score's absolute one, and the output sums up to
+    # max_ctx weighted values. Then the output is rounded to the dtype.
+    eps32, vmax = 2.0**-24, cache.v.abs().max().double()
+    qk = (q.double().abs().amax() * keys_of(cache).double().abs().amax() * head_dim) * head_dim**-0.5
+    bound = 4 * vmax * eps32 * (head_dim * qk + max(c for _, c in shapes)) + EPS[dtype] * ref.abs()
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ctx=st.integers(1, 150),
+    cuts=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    others=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 60)), max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_a_row_computes_alike_however_the_step_is_cut(ctx, cuts, others, dtype):
+    """The sequence's last rows, fed as one chunk or in the pieces `cuts` gives (each step's rows
+    batched with unrelated sequences), produce bit-identical outputs."""
+    kv_heads, per_kv, head_dim = 3, 3, 64
+    n = min(sum(cuts), ctx)
+    spans, q, k, v = random_step(kv_heads, per_kv, head_dim, dtype, [(n, ctx)], seed=ctx)
+    table = spans[0].block_table  # drawn from blocks [0, len(table) + 4)
+    first_free, num_blocks = len(table) + 4, len(table) + 44
+    cache = make_cache(num_blocks, kv_heads, head_dim, dtype, seed=1)
+    whole = run(q, k, v, cache, spans, dtype)
+    pieces, done = [], ctx - n
+    for cut in cuts:
+        cut = min(cut, ctx - done)
+        if cut == 0:
+            break
+        rows = slice(done - (ctx - n), done - (ctx - n) + cut)
+        # Unrelated sequences first, on blocks the main sequence does not use.
+        step_spans, qs, ks, vs, start, free = [], [], [], [], 0, first_free
+        for nq, extra in others:
+            c = nq + extra
+            nb = -(-c // BLOCK)
+            if free + nb > num_blocks:
+                break
+            step_spans.append(SeqSpan(start, nq, c, list(range(free, free + nb))))
+            g = torch.Generator().manual_seed(c)
+            qs.append(torch.randn(nq, kv_heads * per_kv, head_dim, generator=g).to(dtype))
+            ks.append(torch.randn(nq, kv_heads, head_dim, generator=g).to(dtype))
+            vs.append(torch.randn(nq, kv_heads, head_dim, generator=g).to(dtype))
+            start, free = start + nq, free + nb
+        step_spans.append(SeqSpan(start, cut, done + cut, table))
+        qs.append(q[rows]), ks.append(k[rows]), vs.append(v[rows])
+        out = run(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, step_spans, dtype)
+        pieces.append(out[start:])
+        done += cut
+    assert torch.equal(torch.cat(pieces), whole[: done - (ctx - n)])
+
+
+def test_switches_and_missing_compiler_fall_back_to_sdpa(monkeypatch, tmp_path, caplog):
+    available = cpu_kernels.paged_attention_available
+    try:
+        monkeypatch.setenv("VERISPEC_CPU_KERNELS", "0")
+        available.cache_clear()
+        assert not kernel_layout(torch.device("cpu"), BLOCK, 64)
+        assert not new_layer_cache(2, BLOCK, 1, 64, torch.float32, "cpu").keys_transposed
+        monkeypatch.delenv("VERISPEC_CPU_KERNELS")
+        monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path))  # nothing built there yet
+        monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+        available.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="verispec.kernels"):
+            assert not available()
+        assert "runs on SDPA" in caplog.text
+    finally:
+        monkeypatch.undo()
+        available.cache_clear()
+    assert available()
+
+
+def test_layout_needs_whole_vectors():
+    assert kernel_layout(torch.device("cpu"), BLOCK, 64)
+    assert not kernel_layout(torch.device("cpu"), 8, 64)  # block size
+    assert not kernel_layout(torch.device("cpu"), BLOCK, 72)  # head size
+    assert not kernel_layout(torch.device("meta"), BLOCK, 64)  # not a CPU
