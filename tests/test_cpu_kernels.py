@@ -38,8 +38,9 @@ def keys_of(cache):
 
 
 def reference(q, cache, spans, scale):
-    """Causal attention in float64 over each span's cached keys (the step's own included)."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    """Causal attention in float64 over each span's cached keys (the step's own included); also
+    the largest scale * sum_d |q_d k_d| over every (row, key) pair, for the rounding bound."""
+    out, qk_abs = torch.zeros(q.shape, dtype=torch.float64), 0.0
     kv_heads, head_dim = cache.v.shape[2], cache.v.shape[3]
     per_kv = q.shape[1] // kv_heads
     for s in spans:
@@ -49,10 +50,11 @@ def reference(q, cache, spans, scale):
         k, v = k.repeat_interleave(per_kv, 1), v.repeat_interleave(per_kv, 1)  # [ctx, H, D]
         qs = q[s.start : s.start + s.num_query].double()
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        qk_abs = max(qk_abs, float(torch.einsum("qhd,khd->hqk", qs.abs(), k.abs()).amax()) * scale)
         pos = torch.arange(s.num_query)[:, None] + s.context_len - s.num_query
         scores = scores.masked_fill(torch.arange(s.context_len)[None] > pos, float("-inf"))
         out[s.start : s.start + s.num_query] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-    return out
+    return out, qk_abs
 
 
 def random_step(kv_heads, per_kv, head_dim, dtype, shapes, seed=0):
@@ -89,13 +91,13 @@ def test_kernel_matches_float64_attention(dtype, kv_heads, per_kv, head_dim):
     meta = build_attention_metadata(spans, BLOCK, torch.device("cpu"), dtype)
     assert torch.equal(keys_of(cache).reshape(-1, kv_heads, head_dim)[meta.slot_mapping], k)
     assert torch.equal(cache.v.reshape(-1, kv_heads, head_dim)[meta.slot_mapping], v)
-    ref = reference(q, cache, spans, head_dim**-0.5)
+    ref, qk_abs = reference(q, cache, spans, head_dim**-0.5)
     # fp32 arithmetic: each score sums head_dim products (error <= head_dim * eps * sum |q k|), a
     # softmax weight's relative error follows the score's absolute one, and the output sums up to
-    # max_ctx weighted values. Then the output is rounded to the dtype.
-    eps32, vmax = 2.0**-24, cache.v.abs().max().double()
-    qk = (q.double().abs().amax() * keys_of(cache).double().abs().amax() * head_dim) * head_dim**-0.5
-    bound = 4 * vmax * eps32 * (head_dim * qk + max(c for _, c in shapes)) + EPS[dtype] * ref.abs()
+    # max_ctx weighted values. Then the output is rounded to the dtype. (A key too many or too few
+    # moves an output by about max|v| / context, far above this.)
+    eps32, vmax = 2.0**-24, float(cache.v.abs().max())
+    bound = 4 * vmax * eps32 * (head_dim * qk_abs + max(c for _, c in shapes)) + EPS[dtype] * ref.abs()
     assert ((out.double() - ref).abs() <= bound).all()
 
 
@@ -151,7 +153,7 @@ def test_switches_and_missing_compiler_fall_back_to_sdpa(monkeypatch, tmp_path, 
         assert not kernel_layout(torch.device("cpu"), BLOCK, 64)
         assert not new_layer_cache(2, BLOCK, 1, 64, torch.float32, "cpu").keys_transposed
         monkeypatch.delenv("VERISPEC_CPU_KERNELS")
-        monkeypatch.setenv("VERISPEC_CACHE_DIR", str(tmp_path))  # nothing built there yet
+        monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # nothing built there yet
         monkeypatch.setenv("CXX", "false")  # a compiler that always fails
         available.cache_clear()
         with caplog.at_level(logging.WARNING, logger="verispec.kernels"):

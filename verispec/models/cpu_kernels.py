@@ -6,8 +6,8 @@ masks; the kernel reads the cache blocks in place in a few microseconds, and on 
 chunks it matches SDPA's flash attention. Its results do not depend on how a step is cut.
 
 The library is compiled for this CPU's vector ISA (torch's own dispatch level) into
-`$VERISPEC_CACHE_DIR` (default `~/.cache/verispec`), keyed by the source, torch's version and the
-ISA, so a machine builds it once (about 15 s). No compiler, a failed build or
+`kernels/` under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the
+source, torch's version and the ISA, so a machine builds it once (about 10 s). No compiler, a failed build or
 `VERISPEC_CPU_KERNELS=0`: attention falls back to SDPA, with the same results up to rounding.
 """
 
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.utils.cpp_extension as cpp_extension
+
+from verispec.models.loader import cache_dir
 
 logger = logging.getLogger("verispec.kernels")
 
@@ -60,7 +62,7 @@ def _build() -> Path:
         _SOURCE.read_bytes() + torch.__version__.encode() + torch.backends.cpu.get_cpu_capability().encode()
         + sys.version.encode()
     ).hexdigest()[:16]
-    cache = Path(os.environ.get("VERISPEC_CACHE_DIR", Path.home() / ".cache" / "verispec"))
+    cache = cache_dir() / "kernels"
     target = cache / f"paged_attention-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)

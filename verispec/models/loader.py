@@ -255,7 +255,8 @@ def _gguf_name(name: str) -> str | None:
 
 
 # --------------------------------------------------------------------------------- tokenizer
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """verispec's on-disk cache: `$VERISPEC_CACHE`, else `$XDG_CACHE_HOME/verispec` (`~/.cache/verispec`)."""
     root = os.environ.get("VERISPEC_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec"
     )
@@ -276,7 +277,7 @@ def load_tokenizer(model: str):
         return AutoTokenizer.from_pretrained(str(path)) if has_tok else None
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = _cache_dir() / "tokenizers" / key
+    cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
