@@ -19,7 +19,7 @@ from verispec.models.attention import (
 BLOCK = 16
 EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.paged_attention_available(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="no C++ compiler")
 
 
 def make_cache(num_blocks, kv_heads, head_dim, dtype, seed=0):
@@ -146,7 +146,7 @@ def test_a_row_computes_alike_however_the_step_is_cut(ctx, cuts, others, dtype):
 
 
 def test_switches_and_missing_compiler_fall_back_to_sdpa(monkeypatch, tmp_path, caplog):
-    available = cpu_kernels.paged_attention_available
+    available = cpu_kernels.cpu_kernels_available
     try:
         monkeypatch.setenv("VERISPEC_CPU_KERNELS", "0")
         available.cache_clear()
@@ -170,3 +170,35 @@ def test_layout_needs_whole_vectors():
     assert not kernel_layout(torch.device("cpu"), 8, 64)  # block size
     assert not kernel_layout(torch.device("cpu"), BLOCK, 72)  # head size
     assert not kernel_layout(torch.device("meta"), BLOCK, 64)  # not a CPU
+
+
+@pytest.mark.parametrize("n", [96, 100])  # 100: the last block of 16 columns is padded
+def test_int8_linear_matches_float64_and_rows_do_not_interact(n):
+    from verispec.models.linear import Int8Linear
+    from verispec.models.quant import quantize_rtn
+
+    k = 128
+    g = torch.Generator().manual_seed(n)
+    weight = quantize_rtn(torch.randn(n, k, generator=g), bits=8)
+    weight.scale = weight.scale.half().float()  # GGUF's Q8_0 scales are fp16: every weight decodes exactly
+    head = Int8Linear(weight, torch.device("cpu"))
+    w = weight.dequantize().double()
+    for rows in (1, 5, 17):  # 17: two full tiles of 8 rows and one more
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        y = head(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        # fp32 sums of k exact products: error <= k * eps32 * sum |x w|.
+        bound = k * 2.0**-24 * (x.double().abs() @ w.abs().t())
+        assert ((y.double() - x.double() @ w.t()).abs() <= bound).all()
+        assert torch.equal(y, torch.cat([head(x[i : i + 1]) for i in range(rows)]))
+
+
+def test_an_8_bit_lm_head_runs_on_the_kernel(tiny_llama):
+    from verispec.models.linear import Int8Linear
+    from verispec.models.llama import LlamaModel
+    from verispec.models.loader import load_checkpoint
+
+    cfg, weights = load_checkpoint(tiny_llama, torch.bfloat16, "int8")
+    model = LlamaModel(cfg, weights)
+    assert isinstance(model.lm_head, Int8Linear)
+    assert model.compute_logits(torch.randn(3, cfg.hidden_size).bfloat16()).dtype == torch.float32

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec.device_copy import to_device
-from verispec.models.cpu_kernels import paged_attention_available
+from verispec.models.cpu_kernels import cpu_kernels_available
 
 # Queries at most this long share the padded decode group.
 DECODE_GROUP_MAX_QUERY = 16
@@ -138,7 +138,7 @@ class LayerCache(NamedTuple):
 
 def kernel_layout(device: torch.device, block_size: int, head_dim: int) -> bool:
     """Whether caches on this device use the CPU decode kernel (and so its key layout)."""
-    return device.type == "cpu" and block_size % 16 == 0 and head_dim % 16 == 0 and paged_attention_available()
+    return device.type == "cpu" and block_size % 16 == 0 and head_dim % 16 == 0 and cpu_kernels_available()
 
 
 def new_layer_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device) -> LayerCache:

@@ -1,9 +1,12 @@
 """verispec's C++ kernels for the CPU, built once per machine with the local C++ compiler.
 
-Today one kernel: paged attention (`csrc/paged_attention.cpp`). For one decode row SDPA costs
-25-80 µs per layer on a CPU, mostly fixed overhead, plus the Python that gathers blocks and builds
-masks; the kernel reads the cache blocks in place in a few microseconds, and on long prefill
-chunks it matches SDPA's flash attention. Its results do not depend on how a step is cut.
+- Paged attention (`csrc/paged_attention.cpp`). For one decode row SDPA costs 25-80 µs per layer
+  on a CPU, mostly fixed overhead, plus the Python that gathers blocks and builds masks; the kernel
+  reads the cache blocks in place in a few microseconds, and on long prefill chunks it matches
+  SDPA's flash attention. Its results do not depend on how a step is cut.
+- 8-bit weight-only matmul (`csrc/int8_linear.cpp`), for the Q8_0 lm_head: 1.0 ms for one row of
+  SmolLM2's 49152 x 576 head and 5.3 ms for 16, against 1.6 and 11.8 ms on two int4 planes, with
+  fp32 logits, and the same arithmetic for any number of rows.
 
 The library is compiled for this CPU's vector ISA (torch's own dispatch level) into
 `kernels/` under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the
@@ -30,7 +33,7 @@ from verispec.models.loader import cache_dir
 
 logger = logging.getLogger("verispec.kernels")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "int8_linear.cpp")]
 # torch's CPU dispatch level -> the macro its vector headers read and the compiler flags it needs.
 _ISA = {
     "AVX512": ("CPU_CAPABILITY_AVX512", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]),
@@ -42,9 +45,9 @@ def _compiler() -> str | None:
     return next((shutil.which(cc) for cc in (os.environ.get("CXX"), "g++", "clang++") if cc and shutil.which(cc)), None)
 
 
-def _command(cxx: str, source: Path, target: Path) -> list[str]:
+def _command(cxx: str, target: Path) -> list[str]:
     macro, flags = _ISA.get(torch.backends.cpu.get_cpu_capability(), (None, []))
-    cmd = [cxx, str(source), "-o", str(target), "-shared", "-fPIC", "-O3", "-std=c++17", "-fopenmp",
+    cmd = [cxx, *map(str, _SOURCES), "-o", str(target), "-shared", "-fPIC", "-O3", "-std=c++17", "-fopenmp",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags]
     if macro:
         cmd.append(f"-D{macro}")
@@ -59,17 +62,17 @@ def _build() -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++)")
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + torch.__version__.encode() + torch.backends.cpu.get_cpu_capability().encode()
+        b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + torch.backends.cpu.get_cpu_capability().encode()
         + sys.version.encode()
     ).hexdigest()[:16]
     cache = cache_dir() / "kernels"
-    target = cache / f"paged_attention-{key}.so"
+    target = cache / f"verispec_cpu-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        logger.info("building verispec's CPU attention kernel (once per machine, about 15 s)")
+        logger.info("building verispec's CPU kernels (once per machine, about 15 s)")
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run(_command(cxx, _SOURCE, built), capture_output=True, text=True)
+            result = subprocess.run(_command(cxx, built), capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"{cxx} failed: {result.stderr[-2000:]}")
             os.replace(built, target)  # atomic: a concurrent builder never loads half a file
@@ -77,13 +80,14 @@ def _build() -> Path:
 
 
 @functools.cache
-def paged_attention_available() -> bool:
-    """Whether `torch.ops.verispec_cpu.paged_attention` is loaded (building it on first use)."""
+def cpu_kernels_available() -> bool:
+    """Whether `torch.ops.verispec_cpu` (paged_attention, int8_linear) is loaded, building it on first use."""
     if os.environ.get("VERISPEC_CPU_KERNELS", "1") == "0":
         return False
     try:
         torch.ops.load_library(str(_build()))
     except Exception as exc:  # noqa: BLE001 - any failure means: use SDPA
-        logger.warning("verispec's CPU attention kernel is unavailable, attention runs on SDPA (slower): %s", exc)
+        logger.warning("verispec's CPU kernels are unavailable; attention runs on SDPA and 8-bit matrices on "
+                       "int4 planes (slower): %s", exc)
         return False
     return True

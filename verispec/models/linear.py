@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.quant import QuantizedWeight
 
 # Measured on a 2-core AVX-512 CPU (576 x 1536, bf16): the int4 kernel costs ~11 us per row of x
@@ -141,13 +142,44 @@ class QuantLinear(nn.Module):
         return residual + self._matmul(x)
 
 
+class Int8Linear(nn.Module):
+    """An 8-bit matrix on verispec's CPU kernel (`csrc/int8_linear.cpp`), for the lm_head: weights
+    decode exactly (scale * code in fp32), logits come out in fp32, and a row's logits are the same
+    whatever the number of rows, so there is no dense path past some batch size."""
+
+    def __init__(self, weight: QuantizedWeight, device: torch.device):
+        super().__init__()
+        n, k = weight.shape
+        self.n, self.k = n, k
+        codes, scale = weight.codes.to(torch.int8), weight.scale.float()
+        pad = -n % 16
+        if pad:  # padded columns have zero codes and scales: they compute 0 and are sliced off
+            codes, scale = F.pad(codes, (0, 0, 0, pad)), F.pad(scale, (0, 0, 0, pad))
+        # [N/16, K, 16]: each block of 16 output columns contiguous over K (see the kernel).
+        self.register_buffer("codes", codes.view(-1, 16, k).transpose(1, 2).contiguous().to(device), persistent=False)
+        groups = k // weight.group_size
+        self.register_buffer("scales", scale.view(-1, 16, groups).transpose(1, 2).contiguous().to(device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.verispec_cpu.int8_linear.default(x, self.codes, self.scales, self.n)
+
+
 def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None,
-                **quant_options) -> nn.Module:
+                head: bool = False, **quant_options) -> nn.Module:
     """A dense `Linear` for a tensor; a `QuantLinear` for a `QuantizedWeight` whose K the kernels
-    take (a multiple of the group size), else its dense values."""
+    take (a multiple of the group size), else its dense values. An 8-bit lm_head (`head`) on a CPU
+    with verispec's kernels runs on `Int8Linear`."""
+    if head and isinstance(weight, QuantizedWeight) and bias is None and int8_head_wanted(weight, device):
+        return Int8Linear(weight, device)
     if isinstance(weight, QuantizedWeight):
         if weight.shape[1] % weight.group_size == 0 and weight.group_size in (32, 64, 128, 256):
             return QuantLinear(weight, dtype, device, bias, **quant_options)
         weight = weight.dequantize()
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     return Linear(weight.to(device=device, dtype=dtype), bias)
+
+
+def int8_head_wanted(weight: QuantizedWeight, device: torch.device) -> bool:
+    return (torch.device(device).type == "cpu" and weight.bits == 8 and weight.shape[1] % weight.group_size == 0
+            and cpu_kernels_available())

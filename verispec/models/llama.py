@@ -126,9 +126,9 @@ class LlamaModel(nn.Module):
         if tied and quantized_embed:
             # Past the kernels' rows (prefill-sized batches) the dense table, already in memory for
             # the lookup, replaces dequantizing 28M weights.
-            self.lm_head = make_linear(embed, dtype, device, dense=self.embed)
+            self.lm_head = make_linear(embed, dtype, device, head=True, dense=self.embed)
         else:
-            self.lm_head = make_linear(embed if tied else weights["lm_head"], dtype, device)
+            self.lm_head = make_linear(embed if tied else weights["lm_head"], dtype, device, head=True)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         self.compiled = None  # set by verispec.models.compile
 

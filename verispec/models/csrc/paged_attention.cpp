@@ -295,7 +295,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY(verispec_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(verispec_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "Tensor seqs, Tensor tables, float scale, Tensor(c!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
