@@ -145,6 +145,23 @@ def test_a_row_computes_alike_however_the_step_is_cut(ctx, cuts, others, dtype):
     assert torch.equal(torch.cat(pieces), whole[: done - (ctx - n)])
 
 
+def test_out_of_range_indices_raise_instead_of_reading_memory():
+    spans, q, k, v = random_step(3, 3, 64, torch.float32, [(2, 20)])
+    cache = make_cache(8, 3, 64, torch.float32)
+    meta = build_attention_metadata(spans, BLOCK, torch.device("cpu"), torch.float32)
+    op, seqs = torch.ops.verispec_cpu.paged_attention.default, meta.kernel
+    out = torch.empty_like(q)
+    bad_table = seqs.tables.clone().fill_(8)  # the cache has blocks 0..7
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        op(q, k, v, cache.k, cache.v, meta.slot_mapping, seqs.seqs, bad_table, 0.125, out)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        op(q, k, v, cache.k, cache.v, meta.slot_mapping + 8 * BLOCK, seqs.seqs, seqs.tables, 0.125, out)
+    too_long = seqs.seqs.clone()
+    too_long[0, 2] = seqs.tables.shape[1] * BLOCK + 1  # more context than the table holds
+    with pytest.raises(RuntimeError, match="does not fit"):
+        op(q, k, v, cache.k, cache.v, meta.slot_mapping, too_long, seqs.tables, 0.125, out)
+
+
 def test_switches_and_missing_compiler_fall_back_to_sdpa(monkeypatch, tmp_path, caplog):
     available = cpu_kernels.cpu_kernels_available
     try:

@@ -137,7 +137,7 @@ class LayerCache(NamedTuple):
 
 
 def kernel_layout(device: torch.device, block_size: int, head_dim: int) -> bool:
-    """Whether caches on this device use the CPU decode kernel (and so its key layout)."""
+    """Whether caches on this device use the CPU attention kernel (and so its key layout)."""
     return device.type == "cpu" and block_size % 16 == 0 and head_dim % 16 == 0 and cpu_kernels_available()
 
 

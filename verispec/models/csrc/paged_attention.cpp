@@ -280,6 +280,23 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               "paged_attention: the head dimension must be contiguous");
   TORCH_CHECK(slots.is_contiguous() && seqs.is_contiguous() && tables.is_contiguous(),
               "paged_attention: metadata must be contiguous");
+  // The kernel reads and writes through these indices without bounds checks of its own: a bad
+  // one must raise here, not corrupt memory.
+  const int64_t num_blocks = v_cache.size(0), rows = q.size(0), width = tables.size(1);
+  TORCH_CHECK(k.size(0) == rows && v.size(0) == rows && slots.size(0) == rows && out.size(0) == rows,
+              "paged_attention: q, k, v, slots and out must have the same rows");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < num_blocks * v_cache.size(1), "paged_attention: slot out of range");
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(tb[i] >= 0 && tb[i] < num_blocks, "paged_attention: block id out of range");
+  const int64_t* sq = seqs.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seqs.size(0); ++s) {
+    const int64_t first = sq[3 * s], nq = sq[3 * s + 1], ctx = sq[3 * s + 2];
+    TORCH_CHECK(first >= 0 && nq >= 1 && first + nq <= rows && nq <= ctx && ctx <= width * v_cache.size(1),
+                "paged_attention: sequence ", s, " does not fit the step or its block table");
+  }
   auto run = [&](auto zero) {
     using T = decltype(zero);
     write_cache<T>(k, v, k_cache, v_cache, slots.data_ptr<int64_t>());
