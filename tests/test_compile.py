@@ -14,6 +14,8 @@ from test_fast_tier import NGRAM, assert_same_output
 from test_models import hf_logits, run_ours
 from verispec import LLM, SamplingParams
 from verispec.models import compile as compile_mod
+from verispec.models import linear
+from verispec.models.cpu_kernels import cpu_kernels_available
 
 
 @pytest.fixture
@@ -28,6 +30,19 @@ def test_compiled_exact_tier_matches_hf(tiny_checkpoints, arch):
     ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     ours = run_ours(path, ids, [17, 19, 1, 1, 1, 1], compiled=True)
     assert_close_to_oracle(ours, hf_logits(path, ids))
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_compiled_exact_quantized_tier_matches_the_dense_decoded_weights(tiny_llama, monkeypatch, quantization):
+    """fp32 on quantized codes (the CPU kernel inside the compiled graph) against eager fp32 on the
+    same values decoded up front: within the fp32 bound, chunks and decode rows alike."""
+    if not cpu_kernels_available():
+        pytest.skip("no C++ compiler")
+    ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours = run_ours(tiny_llama, ids, [17, 19, 1, 1, 1, 1], compiled=True, quantization=quantization)
+    monkeypatch.setattr(linear, "decoded_wanted", lambda weight, device: False)  # dense decoded values
+    dense = run_ours(tiny_llama, ids, [17, 19, 1, 1, 1, 1], quantization=quantization)
+    assert_close_to_oracle(ours, dense)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])

@@ -191,14 +191,14 @@ def test_layout_needs_whole_vectors():
 
 @pytest.mark.parametrize("n", [96, 100])  # 100: the last block of 16 columns is padded
 def test_int8_linear_matches_float64_and_rows_do_not_interact(n):
-    from verispec.models.linear import Int8Linear
+    from verispec.models.linear import DecodedLinear
     from verispec.models.quant import quantize_rtn
 
     k = 128
     g = torch.Generator().manual_seed(n)
     weight = quantize_rtn(torch.randn(n, k, generator=g), bits=8)
     weight.scale = weight.scale.half().float()  # GGUF's Q8_0 scales are fp16: every weight decodes exactly
-    head = Int8Linear(weight, torch.device("cpu"))
+    head = DecodedLinear(weight, torch.device("cpu"))
     w = weight.dequantize().double()
     for rows in (1, 5, 17):  # 17: two full tiles of 8 rows and one more
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
@@ -211,11 +211,11 @@ def test_int8_linear_matches_float64_and_rows_do_not_interact(n):
 
 
 def test_an_8_bit_lm_head_runs_on_the_kernel(tiny_llama):
-    from verispec.models.linear import Int8Linear
+    from verispec.models.linear import DecodedLinear
     from verispec.models.llama import LlamaModel
     from verispec.models.loader import load_checkpoint
 
     cfg, weights = load_checkpoint(tiny_llama, torch.bfloat16, "int8")
     model = LlamaModel(cfg, weights)
-    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.lm_head, DecodedLinear)
     assert model.compute_logits(torch.randn(3, cfg.hidden_size).bfloat16()).dtype == torch.float32

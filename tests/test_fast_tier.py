@@ -23,6 +23,8 @@ WITHIN_TIER_LOGPROB_TOL = 1e-3
 def test_auto_resolves_from_the_checkpoint(smollm2_path, tiny_llama):
     assert resolve_precision(smollm2_path, None, None) == (torch.bfloat16, "gguf")
     assert resolve_precision(smollm2_path, torch.float32, None) == (torch.float32, None)
+    # fp32 on the GGUF codes, decoded exactly inside the matmul: still the exact tier.
+    assert resolve_precision(smollm2_path, torch.float32, "gguf") == (torch.float32, "gguf")
     assert resolve_precision(tiny_llama, None, None) == (torch.float32, None)  # its config.json says float32
     assert resolve_precision(tiny_llama, None, "int4") == (torch.bfloat16, "int4")
 

@@ -33,7 +33,7 @@ from verispec.models.loader import cache_dir
 
 logger = logging.getLogger("verispec.kernels")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "int8_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quant_linear.cpp")]
 # torch's CPU dispatch level -> the macro its vector headers read and the compiler flags it needs.
 _ISA = {
     "AVX512": ("CPU_CAPABILITY_AVX512", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]),
@@ -86,8 +86,25 @@ def cpu_kernels_available() -> bool:
         return False
     try:
         torch.ops.load_library(str(_build()))
+        _register_fakes()
     except Exception as exc:  # noqa: BLE001 - any failure means: use SDPA
         logger.warning("verispec's CPU kernels are unavailable; attention runs on SDPA and 8-bit matrices on "
                        "int4 planes (slower): %s", exc)
         return False
     return True
+
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile: the matmuls sit inside the compiled layer stack."""
+    global _fakes_registered
+    if not _fakes_registered:
+        for name in ("int8_linear", "int4_linear"):
+            torch.library.register_fake(f"verispec_cpu::{name}")(_matmul_shape)
+        _fakes_registered = True
+
+
+def _matmul_shape(x, codes, scales, *rest):
+    return x.new_empty((x.shape[0], rest[-1]), dtype=torch.float32)

@@ -142,36 +142,53 @@ class QuantLinear(nn.Module):
         return residual + self._matmul(x)
 
 
-class Int8Linear(nn.Module):
-    """An 8-bit matrix on verispec's CPU kernel (`csrc/int8_linear.cpp`), for the lm_head: weights
-    decode exactly (scale * code in fp32), logits come out in fp32, and a row's logits are the same
-    whatever the number of rows, so there is no dense path past some batch size."""
+class DecodedLinear(nn.Module):
+    """A quantized matrix on verispec's CPU kernel (`csrc/quant_linear.cpp`): each weight decoded
+    exactly to fp32 (scale * code, plus the offset for 4 bits), fp32 sums, fp32 output, and the
+    same arithmetic whatever the number of rows, so there is no dense path past some batch size.
+    It runs the 8-bit lm_head in every CPU tier and every matrix of the exact quantized tier
+    (`dtype="float32", quantization="gguf"`)."""
 
     def __init__(self, weight: QuantizedWeight, device: torch.device):
         super().__init__()
         n, k = weight.shape
-        self.n, self.k = n, k
-        codes, scale = weight.codes.to(torch.int8), weight.scale.float()
+        self.n, self.k, self.bits = n, k, weight.bits
+        codes = weight.codes.to(torch.int8 if weight.bits == 8 else torch.uint8)
+        per_group = [weight.scale.float()] + ([] if weight.offset is None else [weight.offset.float()])
         pad = -n % 16
-        if pad:  # padded columns have zero codes and scales: they compute 0 and are sliced off
-            codes, scale = F.pad(codes, (0, 0, 0, pad)), F.pad(scale, (0, 0, 0, pad))
-        # [N/16, K, 16]: each block of 16 output columns contiguous over K (see the kernel).
-        self.register_buffer("codes", codes.view(-1, 16, k).transpose(1, 2).contiguous().to(device), persistent=False)
-        groups = k // weight.group_size
-        self.register_buffer("scales", scale.view(-1, 16, groups).transpose(1, 2).contiguous().to(device),
+        if pad:  # padded columns have zero codes, scales and offsets: they compute 0 and are sliced off
+            codes, per_group = F.pad(codes, (0, 0, 0, pad)), [F.pad(t, (0, 0, 0, pad)) for t in per_group]
+        # [N/16, K, 16] and [N/16, K/G, 16]: each block of 16 output columns contiguous over K.
+        self.register_buffer("codes", _blocked(codes).to(device), persistent=False)
+        self.register_buffer("scales", _blocked(per_group[0]).to(device), persistent=False)
+        self.register_buffer("offsets", _blocked(per_group[1]).to(device) if len(per_group) > 1 else None,
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.verispec_cpu.int8_linear.default(x, self.codes, self.scales, self.n)
+        if self.offsets is None:
+            return torch.ops.verispec_cpu.int8_linear.default(x, self.codes, self.scales, self.n)
+        return torch.ops.verispec_cpu.int4_linear.default(x, self.codes, self.scales, self.offsets, self.n)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self(x)
+
+
+def _blocked(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [N/16, C, 16]."""
+    return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
 
 
 def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None,
                 head: bool = False, **quant_options) -> nn.Module:
     """A dense `Linear` for a tensor; a `QuantLinear` for a `QuantizedWeight` whose K the kernels
-    take (a multiple of the group size), else its dense values. An 8-bit lm_head (`head`) on a CPU
-    with verispec's kernels runs on `Int8Linear`."""
-    if head and isinstance(weight, QuantizedWeight) and bias is None and int8_head_wanted(weight, device):
-        return Int8Linear(weight, device)
+    take (a multiple of the group size), else its dense values. On a CPU with verispec's kernels,
+    an 8-bit lm_head (`head`) and every quantized matrix of an fp32 model run on `DecodedLinear`;
+    an fp32 model without them gets the dense decoded values (exact, slower)."""
+    if isinstance(weight, QuantizedWeight) and bias is None and (head and weight.bits == 8 or dtype == torch.float32):
+        if decoded_wanted(weight, device):
+            return DecodedLinear(weight, device)
+    if isinstance(weight, QuantizedWeight) and dtype == torch.float32:
+        weight = weight.dequantize()
     if isinstance(weight, QuantizedWeight):
         if weight.shape[1] % weight.group_size == 0 and weight.group_size in (32, 64, 128, 256):
             return QuantLinear(weight, dtype, device, bias, **quant_options)
@@ -180,6 +197,5 @@ def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Te
     return Linear(weight.to(device=device, dtype=dtype), bias)
 
 
-def int8_head_wanted(weight: QuantizedWeight, device: torch.device) -> bool:
-    return (torch.device(device).type == "cpu" and weight.bits == 8 and weight.shape[1] % weight.group_size == 0
-            and cpu_kernels_available())
+def decoded_wanted(weight: QuantizedWeight, device: torch.device) -> bool:
+    return torch.device(device).type == "cpu" and weight.shape[1] % weight.group_size == 0 and cpu_kernels_available()

@@ -117,10 +117,14 @@ def resolve_precision(
         if quantization is None and path.is_file():
             quantization = "gguf"
         dtype = torch.bfloat16 if quantization else _hf_dtype(path)
-    if quantization is not None and dtype != torch.bfloat16:
+    # A GGUF file's codes decode exactly, so float32 on them is still the exact tier (the CPU kernel
+    # of `DecodedLinear`, or the dense decoded values elsewhere).
+    exact_gguf = quantization == "gguf" and dtype == torch.float32
+    if quantization is not None and dtype != torch.bfloat16 and not exact_gguf:
         raise ValueError(
             f"quantization={quantization!r} computes in bfloat16 (the int4 kernels' activations); use "
-            "dtype='bfloat16' or 'auto', or quantization=None with dtype='float32' for the exact tier"
+            "dtype='bfloat16' or 'auto', or dtype='float32' with quantization=None (or 'gguf' on a GGUF "
+            "file) for the exact tier"
         )
     return dtype, quantization
 

@@ -1,0 +1,138 @@
+// Weight-only quantized matmul for the CPU: y = x @ W^T in fp32, with W decoded from its codes per
+// group of G input columns:
+// - 8 bits (GGUF's Q8_0, or int8 round-to-nearest): w = scale * code, codes int8;
+// - 4 bits (GGUF's Q4_0 / Q4_1, or int4 round-to-nearest): w = scale * code + offset, codes 0..15
+//   held one per byte.
+//
+// Layout: codes [N/16, K, 16] and scales (offsets) [N/16, K/G, 16] fp32, in blocks of 16 output
+// columns, so one vector of lanes holds 16 consecutive outputs and each weight is decoded once per
+// call, whatever the number of rows. A weight decodes exactly (an fp16 scale times a code of at
+// most 8 bits fits fp32's significand, and so does adding an fp16 offset in one FMA), and every
+// output sums its K products in order, one lane each: a row's result does not depend on how many
+// rows share the call, and differs from a dense fp32 matmul on the decoded weights only in the
+// order of its sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <array>
+#include <utility>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kCols = 16;  // output columns per block
+constexpr int64_t kLanes = kCols / Vec::size();
+constexpr int64_t kRows = 8;  // rows per register tile (their accumulators stay in registers)
+
+// Vec::size() codes as floats.
+template <typename C>
+inline Vec load_codes(const C* c) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  return Vec(_mm512_cvtepi32_ps(std::is_signed_v<C> ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  return Vec(_mm256_cvtepi32_ps(std::is_signed_v<C> ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw)));
+#else
+  float w[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) w[i] = static_cast<float>(c[i]);
+  return Vec::loadu(w);
+#endif
+}
+
+struct Weights {
+  const void* codes;     // this block's [K][16]
+  const float* scales;   // [K/G][16]
+  const float* offsets;  // [K/G][16], or null (8 bits)
+  int64_t k, group;
+};
+
+// y[r, block] for R rows of fp32 x, `ldx` apart.
+template <int R, typename C>
+void tile(const float* x, int64_t ldx, const Weights& wt, float* y, int64_t ldy) {
+  const C* codes = static_cast<const C*>(wt.codes);
+  // One lane group at a time, so that the R accumulators stay in registers.
+  for (int l = 0; l < kLanes; ++l) {
+    Vec acc[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
+    for (int64_t g0 = 0; g0 < wt.k; g0 += wt.group) {
+      const int64_t at = (g0 / wt.group) * kCols + l * Vec::size();
+      const Vec s = Vec::loadu(wt.scales + at);
+      const Vec off = wt.offsets ? Vec::loadu(wt.offsets + at) : Vec(0.f);
+      for (int64_t k = g0; k < g0 + wt.group; ++k) {
+        const Vec code = load_codes(codes + k * kCols + l * Vec::size());
+        const Vec w = std::is_signed_v<C> ? code * s : at::vec::fmadd(code, s, off);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec(x[r * ldx + k]), w, acc[r]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r].store(y + r * ldy + l * Vec::size());
+  }
+}
+
+template <typename C>
+using TileFn = void (*)(const float*, int64_t, const Weights&, float*, int64_t);
+template <typename C, int... R>
+constexpr std::array<TileFn<C>, sizeof...(R)> tiles(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1, C>...};
+}
+
+template <typename C>
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& offsets, int64_t n) {
+  static constexpr auto kTiles = tiles<C>(std::make_integer_sequence<int, kRows>{});
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && codes.size(2) == kCols, "quant_linear: x [M, K], codes [N/16, K, 16]");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(2) == kCols &&
+                  scales.scalar_type() == at::kFloat,
+              "quant_linear: scales [N/16, K/G, 16] float32");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(), "quant_linear: packed weights must be contiguous");
+  const int64_t m = x.size(0), k = x.size(1), blocks = codes.size(0), groups = scales.size(1);
+  TORCH_CHECK(codes.size(1) == k && groups > 0 && k % groups == 0, "quant_linear: x has ", k, " columns");
+  TORCH_CHECK(n > blocks * kCols - kCols && n <= blocks * kCols, "quant_linear: n does not match the codes");
+  const float* op = nullptr;
+  if (offsets) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat &&
+                    offsets->is_contiguous(),
+                "quant_linear: offsets must match scales");
+    op = offsets->data_ptr<float>();
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({m, blocks * kCols}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  const C* cp = static_cast<const C*>(codes.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = blocks * kCols, group = k / groups;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const Weights wt{cp + b * k * kCols, sp + b * groups * kCols, op ? op + b * groups * kCols : nullptr, k, group};
+      for (int64_t r0 = 0; r0 < m; r0 += kRows)
+        kTiles[std::min(kRows, m - r0) - 1](xp + r0 * k, k, wt, yp + r0 * ldy + b * kCols, ldy);
+    }
+  });
+  return n == ldy ? y : y.narrow(1, 0, n).contiguous();
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, "int8_linear: codes must be int8");
+  return matmul<int8_t>(x, codes, scales, c10::nullopt, n);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& offsets, int64_t n) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "int4_linear: codes must be uint8 (one 0..15 code per byte)");
+  return matmul<uint8_t>(x, codes, scales, offsets, n);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(verispec_cpu, m) {
+  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n) -> Tensor");
+  m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
+  m.impl("int4_linear", c10::DispatchKey::CPU, &int4_linear);
+}
