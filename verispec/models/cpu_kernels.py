@@ -4,9 +4,10 @@
   on a CPU, mostly fixed overhead, plus the Python that gathers blocks and builds masks; the kernel
   reads the cache blocks in place in a few microseconds, and on long prefill chunks it matches
   SDPA's flash attention. Its results do not depend on how a step is cut.
-- 8-bit weight-only matmul (`csrc/int8_linear.cpp`), for the Q8_0 lm_head: 1.0 ms for one row of
-  SmolLM2's 49152 x 576 head and 5.3 ms for 16, against 1.6 and 11.8 ms on two int4 planes, with
-  fp32 logits, and the same arithmetic for any number of rows.
+- Weight-only quantized matmul (`csrc/quant_linear.cpp`: 8-bit and 4-bit codes decoded exactly
+  to fp32), for the Q8_0 lm_head in every CPU tier and for every matrix of the exact tier on GGUF
+  codes: 1.0 ms for one row of SmolLM2's 49152 x 576 head and 5.3 ms for 16, against 1.6 and
+  11.8 ms on two int4 planes, with fp32 output and the same arithmetic for any number of rows.
 
 The library is compiled for this CPU's vector ISA (torch's own dispatch level) into
 `kernels/` under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the
