@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 import types
 
 import torch
 
 from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.cpu_kernels import cxx_compiler
 from verispec.models.linear import KERNEL_MAX_ROWS
 
 logger = logging.getLogger("verispec.compile")
@@ -37,7 +37,7 @@ def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
         return False
     if device.type != "cpu":  # not yet run on a GPU, where CUDA graphs are the lever: eager until it is
         return False
-    if not any(shutil.which(cc) for cc in (os.environ.get("CXX"), "g++", "clang++") if cc):
+    if cxx_compiler() is None:
         logger.warning("no C++ compiler found: the model runs eager (slower); install g++ to compile it")
         return False
     return True

@@ -42,7 +42,8 @@ _ISA = {
 }
 
 
-def _compiler() -> str | None:
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile and verispec's kernels use: $CXX, else g++, else clang++."""
     return next((shutil.which(cc) for cc in (os.environ.get("CXX"), "g++", "clang++") if cc and shutil.which(cc)), None)
 
 
@@ -59,7 +60,7 @@ def _command(cxx: str, target: Path) -> list[str]:
 
 
 def _build() -> Path:
-    cxx = _compiler()
+    cxx = cxx_compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (install g++)")
     key = hashlib.sha256(

@@ -151,11 +151,10 @@ class DecodedLinear(nn.Module):
 
     def __init__(self, weight: QuantizedWeight, device: torch.device):
         super().__init__()
-        n, k = weight.shape
-        self.n, self.k, self.bits = n, k, weight.bits
+        self.n = weight.shape[0]
         codes = weight.codes.to(torch.int8 if weight.bits == 8 else torch.uint8)
         per_group = [weight.scale.float()] + ([] if weight.offset is None else [weight.offset.float()])
-        pad = -n % 16
+        pad = -self.n % 16
         if pad:  # padded columns have zero codes, scales and offsets: they compute 0 and are sliced off
             codes, per_group = F.pad(codes, (0, 0, 0, pad)), [F.pad(t, (0, 0, 0, pad)) for t in per_group]
         # [N/16, K, 16] and [N/16, K/G, 16]: each block of 16 output columns contiguous over K.
@@ -184,11 +183,12 @@ def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Te
     take (a multiple of the group size), else its dense values. On a CPU with verispec's kernels,
     an 8-bit lm_head (`head`) and every quantized matrix of an fp32 model run on `DecodedLinear`;
     an fp32 model without them gets the dense decoded values (exact, slower)."""
-    if isinstance(weight, QuantizedWeight) and bias is None and (head and weight.bits == 8 or dtype == torch.float32):
-        if decoded_wanted(weight, device):
+    if isinstance(weight, QuantizedWeight):
+        wants_decoded = (head and weight.bits == 8) or dtype == torch.float32
+        if wants_decoded and bias is None and decoded_wanted(weight, device):
             return DecodedLinear(weight, device)
-    if isinstance(weight, QuantizedWeight) and dtype == torch.float32:
-        weight = weight.dequantize()
+        if dtype == torch.float32:  # no kernel for it here: the same values, decoded up front
+            weight = weight.dequantize()
     if isinstance(weight, QuantizedWeight):
         if weight.shape[1] % weight.group_size == 0 and weight.group_size in (32, 64, 128, 256):
             return QuantLinear(weight, dtype, device, bias, **quant_options)
