@@ -19,7 +19,8 @@ from verispec.models.attention import (
 BLOCK = 16
 EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(),
+                                reason="verispec's CPU kernels are off (no C++ compiler, or VERISPEC_CPU_KERNELS=0)")
 
 
 def make_cache(num_blocks, kv_heads, head_dim, dtype, seed=0):
