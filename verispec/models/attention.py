@@ -99,11 +99,7 @@ class AttentionMetadata:
     @property
     def kernel(self) -> KernelSeqs:
         if self._kernel is None:
-            width = max(_num_blocks(s.context_len, self.block_size) for s in self.spans)
-            tables = []
-            for s in self.spans:
-                nb = _num_blocks(s.context_len, self.block_size)
-                tables.extend(s.block_table[:nb] + [0] * (width - nb))
+            tables, width = _padded_tables(self.spans, self.block_size)  # padding is never read
             dev, n = self.slot_mapping.device, len(self.spans)
             seqs = [x for s in self.spans for x in (s.start, s.num_query, s.context_len)]
             self._kernel = KernelSeqs(seqs=to_device(seqs, dtype=torch.long, device=dev).view(n, 3),
@@ -164,6 +160,13 @@ def _num_blocks(context_len: int, block_size: int) -> int:
     return -(-context_len // block_size)
 
 
+def _padded_tables(spans: list[SeqSpan], block_size: int) -> tuple[list[int], int]:
+    """The spans' block tables cut to their contexts and padded with block 0 to the widest, flat."""
+    counts = [_num_blocks(s.context_len, block_size) for s in spans]
+    width = max(counts)
+    return [b for s, nb in zip(spans, counts) for b in s.block_table[:nb] + [0] * (width - nb)], width
+
+
 def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: torch.dtype) -> AttnGroup:
     fresh = span.context_len == span.num_query  # no earlier chunk: attend to this chunk's k/v
     kv_blocks = mask = kv_run = None
@@ -184,7 +187,7 @@ def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: 
 def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, dtype: torch.dtype) -> AttnGroup:
     g = len(spans)
     max_q = max(s.num_query for s in spans)
-    max_nb = max(_num_blocks(s.context_len, block_size) for s in spans)
+    tables, max_nb = _padded_tables(spans, block_size)  # padding blocks are masked out
     max_k = max_nb * block_size
     contiguous = max_q == 1 and all(s.start == spans[0].start + i for i, s in enumerate(spans))
     query_index = out_valid = out_rows = None
@@ -198,10 +201,6 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
         query_index = to_device(q_idx, dtype=torch.long, device=device).view(g, max_q)
         out_valid = to_device(valid, dtype=torch.long, device=device)
         out_rows = to_device(rows, dtype=torch.long, device=device)
-    tables = []
-    for s in spans:
-        nb = _num_blocks(s.context_len, block_size)
-        tables.extend(s.block_table[:nb] + [0] * (max_nb - nb))  # padding blocks are masked out
     kv_blocks = to_device(tables, dtype=torch.long, device=device)
     ctx = to_device([s.context_len for s in spans], device=device)
     nq = to_device([s.num_query for s in spans], device=device)
