@@ -183,6 +183,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # True: never torch.compile the layer stack (also VERISPEC_COMPILE=0); see models/compile.py.
     enforce_eager: bool = False
+    # Automatic prefix caching (engine/prefix_cache.py), and the memory its cached prompt-logprob
+    # rows may take (0: cache KV only).
+    enable_prefix_caching: bool = True
+    prompt_logprobs_cache_bytes: int = 64 << 20
 
     @classmethod
     def create(
@@ -217,5 +221,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1; got {self.num_kv_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1; got {self.kv_cache_bytes}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false; got {self.enable_prefix_caching!r}")
+        budget = self.prompt_logprobs_cache_bytes
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+            raise ValueError(f"prompt_logprobs_cache_bytes must be an integer >= 0; got {budget!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1; got {self.max_logprobs!r}")

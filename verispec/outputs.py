@@ -75,8 +75,25 @@ class LogprobsLists:
         start, end = self.cu_num_generated_tokens[i], self.cu_num_generated_tokens[i + 1]
         if num_generated is not None:
             end = min(end, start + num_generated)
+        return self.rows(start, end)
+
+    def rows(self, start: int, end: int | None = None) -> "LogprobsLists":
         return LogprobsLists(
             self.logprob_token_ids[start:end], self.logprobs[start:end], self.selected_token_ranks[start:end]
+        )
+
+    def __len__(self) -> int:
+        return self.logprobs.shape[0]
+
+    @staticmethod
+    def cat(parts: "list[LogprobsLists]") -> "LogprobsLists":
+        if len(parts) == 1:
+            return parts[0]
+        width = min(p.logprobs.shape[1] for p in parts)  # cached rows may be wider than asked for
+        return LogprobsLists(
+            np.concatenate([p.logprob_token_ids[:, :width] for p in parts]),
+            np.concatenate([p.logprobs[:, :width] for p in parts]),
+            np.concatenate([p.selected_token_ranks for p in parts]),
         )
 
 

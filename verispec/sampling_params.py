@@ -70,6 +70,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
     logprobs_mode: LogprobsMode | str | None = None
+    # Requests with different salts never share cached prefix blocks (engine/prefix_cache.py), so
+    # one tenant cannot learn from timing that another sent the same prompt.
+    cache_salt: str | None = None
     # Filled by the engine from `bad_words` with its tokenizer; not a user field.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -90,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1]; got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63); got {self.seed!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be None or a non-empty string; got {self.cache_salt!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be None or an integer in [1, 2**63); got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

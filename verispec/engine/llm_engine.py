@@ -12,6 +12,7 @@ import torch
 from verispec.config import EngineConfig
 from verispec.engine.kv_cache import BlockPool, bytes_per_block
 from verispec.engine.output_processor import OutputProcessor
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.request import Request, RequestStatus
 from verispec.engine.runner import ModelRunner, StepResult
 from verispec.engine.scheduler import Scheduler, SchedulerOutput
@@ -73,10 +74,16 @@ class LLMEngine:
 
         self.pool = BlockPool(self._num_blocks(), config.block_size)
         spec = config.speculative
+        # Everything engine-wide that changes the KV; the cache lives in this engine only, but a
+        # key that names the weights and the tier keeps a hash meaningful on its own.
+        engine_key = f"{model_path}|{config.dtype}|{config.quantization}|{spec.method if spec else None}"
+        self.prefix_cache = PrefixCache(self.pool, engine_key, config.enable_prefix_caching,
+                                        config.prompt_logprobs_cache_bytes)
         self.drafter = make_drafter(spec, self.model, self.tokenizer, config) if spec else None
         adaptive = self._adaptive_controller(config) if spec is not None and spec.adaptive_verification else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0), adaptive)
+                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0), adaptive,
+                                   self.prefix_cache)
         # Model drafters draft inside the step, before the verify forward; prompt lookup drafts after it.
         in_step = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
         self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step, adaptive=adaptive)
@@ -166,6 +173,8 @@ class LLMEngine:
                 logprobs=[] if wants_logprobs else None,
                 # Every child shares the prompt: only the first one scores it.
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
+                # The others wait for the first to cache the prompt, then hit it.
+                prefill_leader=parent.children[0] if i > 0 else None,
             )
             parent.children.append(req)
             self._child_parent[child_id] = request_id
@@ -205,6 +214,10 @@ class LLMEngine:
                 req.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.finish(req)
             self._child_parent.pop(req.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (and its prompt rows); running requests keep their blocks."""
+        self.prefix_cache.reset()
 
     def request_ids(self) -> list[str]:
         """The user-level ids of every request still held by the engine."""
@@ -307,5 +320,6 @@ class LLMEngine:
             "kv_cache_usage": self.pool.usage,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            **self.prefix_cache.stats(),
             **({"adaptive": self.runner.adaptive.stats.as_dict()} if self.runner.adaptive is not None else {}),
         }

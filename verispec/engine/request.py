@@ -11,6 +11,7 @@ from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from verispec.outputs import LogprobsLists
     from verispec.spec_decode.adaptive import RequestHistory
 
 
@@ -55,6 +56,13 @@ class Request:
     # (spec_decode/metadata.py) that a model drafter fills inside the step.
     draft_token_ids: list[int] = field(default_factory=list)
     spec_history: "RequestHistory | None" = None  # adaptive verification's estimates
+    # Prefix caching (engine/prefix_cache.py): the chain of full-block hashes of token_ids, how
+    # many leading blocks of the table are cached, and scored prompt rows whose block is not yet
+    # whole. With n > 1, the sibling whose prompt the others wait for, then hit.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    pending_prompt_rows: "tuple[int, LogprobsLists] | None" = None
+    prefill_leader: "Request | None" = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

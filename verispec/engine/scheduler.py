@@ -7,6 +7,9 @@ recently admitted running request is preempted: its blocks are freed and it goes
 of the queue, to be recomputed from its prompt and the tokens it already produced. Sampling only
 happens once a request's whole sequence is in the cache, so a preempted request resumes with
 exactly the output it would have had.
+
+With prefix caching a request is admitted with its longest cached prefix already computed (its
+own blocks too, after a preemption), and each step caches the blocks its requests filled.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from verispec.engine.kv_cache import BlockPool
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.request import Request, RequestStatus
 from verispec.spec_decode.metrics import SpecDecodeMetrics
 
 if TYPE_CHECKING:  # the runner imports this module
     from verispec.engine.output_processor import OutputProcessor
     from verispec.engine.runner import StepResult
+    from verispec.outputs import LogprobsLists
     from verispec.spec_decode.adaptive import AdaptiveController
 
 
@@ -33,6 +38,8 @@ class ScheduledRequest:
     samples: bool
     # Draft tokens fed after the known ones, to be verified in this same forward.
     draft_token_ids: list[int] = field(default_factory=list)
+    # (first position, rows): prompt logprobs of the positions a prefix hit skipped, from the cache.
+    cached_prompt_rows: "tuple[int, LogprobsLists] | None" = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -51,8 +58,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 spec_metrics: SpecDecodeMetrics | None = None, adaptive: "AdaptiveController | None" = None):
+                 spec_metrics: SpecDecodeMetrics | None = None, adaptive: "AdaptiveController | None" = None,
+                 prefix_cache: PrefixCache | None = None):
         self.pool = pool
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(pool, "", enabled=False)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -84,17 +93,39 @@ class Scheduler:
             budget -= num_new + len(spec)
             i += 1
         if not out.preempted:  # a short pool admits nobody new this step
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self.pool.allocate(req.request_id, req.num_computed_tokens + num_new):
-                    break
-                self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                out.scheduled.append(self._entry(req, num_new))
-                budget -= num_new
+            self._admit(out, budget)
         return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting requests in order while the budget, max_num_seqs and the pool allow."""
+        held = []  # n > 1: siblings waiting for their leader's prompt to be cached, in queue order
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.popleft()
+            if self._waits_for_leader(req):
+                held.append(req)
+                continue
+            hit = self.prefix_cache.find(req)
+            num_new = min(req.num_tokens - hit.num_tokens, budget)
+            self.pool.share(req.request_id, hit.blocks)
+            if not self.pool.allocate(req.request_id, hit.num_tokens + num_new):
+                self.pool.free(req.request_id)
+                self.waiting.appendleft(req)
+                break
+            self.prefix_cache.admitted(req, hit)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            entry = self._entry(req, num_new)
+            entry.cached_prompt_rows = hit.prompt_rows
+            out.scheduled.append(entry)
+            budget -= num_new
+        self.waiting.extendleft(reversed(held))
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        """A sibling (n > 1) is admitted once its leader has cached the shared prompt, to hit it
+        rather than compute it again."""
+        leader = req.prefill_leader
+        return (self.prefix_cache.enabled and leader is not None and not leader.is_finished
+                and leader.num_computed_tokens < leader.num_prompt_tokens)
 
     @staticmethod
     def _entry(req: Request, num_new: int) -> ScheduledRequest:
@@ -110,9 +141,11 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.request_id)
+        self.pool.free(req.request_id)  # its cached blocks stay cached: it may hit them again
         req.draft_token_ids = []
         req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+        req.pending_prompt_rows = None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -122,7 +155,7 @@ class Scheduler:
                            skip: set[str] = frozenset()) -> list[Request]:
         """Applies one step's results to its requests (except those in `skip`): the cache now holds
         the new tokens and the accepted drafts, and blocks that held only rejected drafts go back;
-        the counters and the adaptive controller learn the drafts' outcome; prompt logprobs and
+        filled blocks and scored prompt rows are cached; the counters and the adaptive controller learn the drafts' outcome; prompt logprobs and
         sampled tokens are appended; finished requests leave. Returns the
         requests that emitted tokens."""
         emitted = []
@@ -139,6 +172,8 @@ class Scheduler:
                 req.num_computed_tokens += accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
             req.draft_token_ids = []
+            if s.cached_prompt_rows is not None:
+                output.append_prompt_logprobs(req, *s.cached_prompt_rows)
             prompt_rows = result.prompt_logprobs.get(req.request_id)
             if prompt_rows is not None:
                 output.append_prompt_logprobs(req, *prompt_rows)
@@ -146,6 +181,10 @@ class Scheduler:
             if tokens:
                 output.append_tokens(req, tokens, result.logprobs.get(req.request_id))
                 emitted.append(req)
+            # After the tokens: accepted drafts are computed, and now in token_ids too.
+            self.prefix_cache.cache_computed(req)
+            if prompt_rows is not None:
+                self.prefix_cache.cache_prompt_rows(req, *prompt_rows)
             if req.is_finished:
                 self.finish(req)
         return emitted

@@ -38,6 +38,8 @@ class LLM:
         num_threads: int | None = None,
         speculative_config: "SpeculativeConfig | dict | None" = None,
         enforce_eager: bool = False,
+        enable_prefix_caching: bool = True,
+        prompt_logprobs_cache_bytes: int = 64 << 20,
     ):
         config = EngineConfig.create(
             model=model,
@@ -56,6 +58,8 @@ class LLM:
             num_threads=num_threads,
             speculative_config=speculative_config,
             enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            prompt_logprobs_cache_bytes=prompt_logprobs_cache_bytes,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -65,6 +69,10 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix, as after a weight update."""
+        self.engine.reset_prefix_cache()
 
     # ------------------------------------------------------------------ generate
     def generate(

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from verispec.config import LogprobsMode
 from verispec.outputs import LogprobsTensors
 from verispec.sample.logprobs import RequestScoring
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
+from verispec.sampling_params import SamplingParams
 
 
 def score_prompt_rows(
@@ -37,3 +39,15 @@ def score_prompt_rows(
         parts.append(scoring.score(raw, processed, targets[rows], row_req))
         del raw, processed
     return LogprobsTensors.cat(parts)
+
+
+def prompt_rows_key(params: SamplingParams, mode: LogprobsMode) -> tuple:
+    """Everything besides the prefix and the top-k count that decides a request's prompt-logprob
+    rows: the mode and, in processed modes, the position-independent processors' parameters. Rows
+    with equal keys over equal prefixes are equal (the prefix cache shares them)."""
+    if mode.is_raw:
+        return (mode.value,)
+    bias = tuple(sorted((params.logit_bias or {}).items()))
+    temperature = 1.0 if params.greedy else float(params.temperature)
+    allowed = tuple(params.allowed_token_ids or ())
+    return (mode.value, temperature, params.top_k, float(params.top_p), float(params.min_p), allowed, bias)

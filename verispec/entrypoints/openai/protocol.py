@@ -87,6 +87,9 @@ class _SamplingFields(_Request):
         default=None, description="raw_logprobs | raw_logits | processed_logprobs | processed_logits"
     )
     logprob_token_ids: list[int] | None = None
+    cache_salt: str | None = Field(
+        default=None, description="requests with different salts never share cached prefix blocks"
+    )
 
 
 class CompletionRequest(_SamplingFields):

@@ -27,6 +27,7 @@ _PASSTHROUGH = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
     "allowed_token_ids", "bad_words", "logprobs_mode", "logprob_token_ids", "seed", "n", "stop",
+    "cache_salt",
 )
 
 
