@@ -19,7 +19,7 @@ import zmq
 from verispec.config import EngineConfig
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady, EngineStats,
-    LogprobRow, RequestDelta, Shutdown, split_encodable,
+    LogprobRow, RequestDelta, ResetPrefixCache, Shutdown, split_encodable,
 )
 from verispec.outputs import Logprob, RequestOutput
 from verispec.sampling_params import SamplingParams
@@ -132,6 +132,9 @@ def engine_stats(engine) -> EngineStats:
         adaptive_drafted_tokens=adaptive.drafted_total if adaptive else 0,
         adaptive_admitted_tokens=adaptive.admitted_total if adaptive else 0,
         adaptive_capacity_histogram=list(adaptive.capacity_histogram) if adaptive else [],
+        prefix_cache_queries=engine.prefix_cache.num_queries,
+        prefix_cache_hits=engine.prefix_cache.num_hits,
+        prefix_cache_prompt_rows_hits=engine.prefix_cache.num_prompt_rows_hit,
     )
 
 
@@ -202,6 +205,9 @@ class EngineCore:
             for rid in msg.request_ids:
                 self.engine.abort_request(rid)
                 self.tracker.forget(rid)
+            return [], True
+        if isinstance(msg, ResetPrefixCache):
+            self.engine.reset_prefix_cache()
             return [], True
         return [], not isinstance(msg, Shutdown)
 

@@ -22,7 +22,7 @@ import zmq.asyncio
 from verispec.config import EngineConfig
 from verispec.engine.core import params_to_wire, run_engine_core
 from verispec.engine.core_protocol import (
-    AbortRequests, AddRequest, AddRequests, CoreFailed, CoreMessage, CoreOutputs, CoreReady, EngineStats, RequestDelta, Shutdown,
+    AbortRequests, AddRequest, AddRequests, CoreFailed, CoreMessage, CoreOutputs, CoreReady, EngineStats, RequestDelta, ResetPrefixCache, Shutdown,
     split_encodable,
 )
 from verispec.sampling_params import SamplingParams
@@ -183,6 +183,13 @@ class AsyncEngineClient:
             self._in.send(self._encoder.encode(AbortRequests(list(request_ids))))
         except zmq.ZMQError:  # the socket is closing at shutdown
             pass
+
+    def reset_prefix_cache(self) -> None:
+        """The core resets its cache before it reads any request sent after this call."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        self._flush_adds()  # requests queued before the reset reach the core before it
+        self._in.send(self._encoder.encode(ResetPrefixCache()))
 
     # ------------------------------------------------------------------ background tasks
     async def _output_loop(self) -> None:

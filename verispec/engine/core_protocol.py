@@ -1,6 +1,6 @@
 """What crosses between the server frontend and the engine-core process: msgspec Structs over pyzmq.
 
-Inputs are one tagged union (add / abort / shutdown). Outputs carry *deltas*: only the tokens, text
+Inputs are one tagged union (add / abort / reset the prefix cache / shutdown). Outputs carry *deltas*: only the tokens, text
 and logprobs that are new since the last message, so a long generation costs O(n) on the wire.
 
 msgspec decodes a union of a custom type only with None, so every optional part is `X | None` and a
@@ -34,11 +34,15 @@ class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-CoreInput = AddRequest | AddRequests | AbortRequests | Shutdown
+CoreInput = AddRequest | AddRequests | AbortRequests | ResetPrefixCache | Shutdown
 
 
 # --------------------------------------------------------------------------------- from the core
@@ -88,6 +92,10 @@ class EngineStats(msgspec.Struct):
     adaptive_drafted_tokens: int = 0
     adaptive_admitted_tokens: int = 0
     adaptive_capacity_histogram: list[int] = msgspec.field(default_factory=list)
+    # Prefix caching, in tokens (queries: prompt tokens looked up at admission) and rows.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_prompt_rows_hits: int = 0
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

@@ -127,6 +127,9 @@ class PrefixCache:
         self.num_queries = 0  # prompt tokens looked up at admission
         self.num_hits = 0  # of which found cached
         self.num_prompt_rows_hit = 0  # prompt-logprob rows read instead of computed
+        # Bumped by reset: requests admitted before it never cache again (their KV may predate
+        # a weight update, and attention carries it into every later block).
+        self.epoch = 0
 
     # ------------------------------------------------------------------ hashes
     def block_hashes(self, req: Request) -> list[bytes]:
@@ -174,6 +177,7 @@ class PrefixCache:
     def admitted(self, req: Request, hit: PrefixHit) -> None:
         req.num_computed_tokens = hit.num_tokens
         req.num_cached_blocks = len(hit.blocks)
+        req.cache_epoch = self.epoch
         if not self.enabled:
             return
         self.num_queries += req.num_tokens
@@ -184,7 +188,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ after a step
     def cache_computed(self, req: Request) -> None:
         """Caches the request's blocks that are now full of computed tokens."""
-        if not self.enabled:
+        if not self.enabled or req.cache_epoch != self.epoch:
             return
         full = min(req.num_computed_tokens, req.num_tokens) // self.pool.block_size
         if full > req.num_cached_blocks:
@@ -195,7 +199,7 @@ class PrefixCache:
     def cache_prompt_rows(self, req: Request, first: int, rows: LogprobsLists) -> None:
         """Keeps the rows of every cached block whose positions are now all scored; rows of a block
         still partly unscored wait on the request."""
-        if not self.enabled or not self.rows.budget_bytes:
+        if not self.enabled or not self.rows.budget_bytes or req.cache_epoch != self.epoch:
             return
         pending = req.pending_prompt_rows
         if pending is not None and pending[0] + len(pending[1]) == first:
@@ -215,6 +219,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ whole cache
     def reset(self) -> None:
+        self.epoch += 1
         self.pool.reset_cache()
         self.rows.clear()
 

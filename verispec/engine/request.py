@@ -61,6 +61,7 @@ class Request:
     # whole. With n > 1, the sibling whose prompt the others wait for, then hit.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    cache_epoch: int = 0  # the prefix cache's epoch at admission (a reset ends it)
     pending_prompt_rows: "tuple[int, LogprobsLists] | None" = None
     prefill_leader: "Request | None" = None
 

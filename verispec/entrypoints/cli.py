@@ -22,6 +22,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="do not compile the layer stack (faster start-up, slower steps)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV (and prompt-logprob rows) of shared prompt prefixes (default: on)")
     p.add_argument("--logprobs-mode", default="raw_logprobs",
                    choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
     p.add_argument("--max-logprobs", type=int, default=20)
@@ -64,6 +66,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache pool size in bytes")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine core")
+    p.add_argument("--prompt-logprobs-cache-bytes", type=int, default=64 << 20,
+                   help="memory for prompt-logprob rows cached beside prefix blocks (0: KV only)")
     p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="requests admitted at once; more get 503 with Retry-After")
@@ -120,7 +124,7 @@ def _generate(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
-        speculative_config=_speculative_config(args),
+        speculative_config=_speculative_config(args), enable_prefix_caching=args.enable_prefix_caching,
     )
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
@@ -157,6 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
         seed=args.seed if args.seed is not None else 0, logprobs_mode=args.logprobs_mode,
         max_logprobs=args.max_logprobs, num_threads=args.num_threads,
         speculative_config=_speculative_config(args),
+        enable_prefix_caching=args.enable_prefix_caching,
+        prompt_logprobs_cache_bytes=args.prompt_logprobs_cache_bytes,
     )
     engine.validate()
     config = ServerConfig(
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run(args, dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                   device=args.device, enforce_eager=args.enforce_eager,
-                                  max_model_len=args.max_model_len, speculative_config=_speculative_config(args)))
+                                  max_model_len=args.max_model_len, speculative_config=_speculative_config(args),
+                                  enable_prefix_caching=args.enable_prefix_caching))
     except ValueError as exc:  # bad options: one clear line, no traceback
         print(f"verispec: error: {exc}", file=sys.stderr)
         return 2

@@ -199,6 +199,16 @@ def build_app(config: ServerConfig) -> FastAPI:
         metrics.core_dead = _ctx(request).client.dead
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache", dependencies=[Depends(check_api_key)],
+              responses={200: {"content": {"application/json": {}}}, 401: {"model": ErrorResponse},
+                         503: {"model": ErrorResponse}})
+    async def reset_prefix_cache(request: Request):
+        """Forgets every cached prefix: requests sent after this answer hit nothing cached before."""
+        ctx = _ctx(request)
+        _admit(ctx)
+        ctx.client.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
     async def tokenize(body: TokenizeRequest, request: Request):
         ctx = _ctx(request)

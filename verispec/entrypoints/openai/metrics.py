@@ -53,6 +53,12 @@ class _EngineCollector:
         yield gauge("engine_core_alive", "1 while the engine-core process runs.", 0.0 if self.metrics.core_dead else 1.0)
         yield counter("num_preemptions", "Requests preempted (recomputed later) for KV space.", s.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", s.num_steps)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since start (0 before any query).",
+                    s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
+        yield counter("prefix_cache_prompt_rows_hits", "Prompt-logprob rows read from the prefix cache.",
+                      s.prefix_cache_prompt_rows_hits)
         yield counter("spec_decode_num_drafts", "Verify steps of a request that carried drafts.", s.num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens)
