@@ -1,4 +1,5 @@
-"""BlockPool accounting: all-or-nothing allocation, truncation, freeing, and conservation of blocks."""
+"""BlockPool accounting: all-or-nothing allocation, truncation, freeing, and conservation of blocks;
+reference counts and LRU eviction of cached blocks (the prefix cache's side of the pool)."""
 
 from __future__ import annotations
 
@@ -30,13 +31,17 @@ def observable(pool: BlockPool, ids=()) -> tuple:
 
 def check_conservation(pool: BlockPool) -> None:
     owned = [b for t in pool.tables.values() for b in t]
-    free = list(pool._free)
-    assert len(owned) == len(set(owned)), "a block is in two tables (or twice in one)"
+    free = list(pool._free) + list(pool._evictable)
+    for t in pool.tables.values():
+        assert len(t) == len(set(t)), "a block is twice in one table"
+    assert all(pool.ref_count[b] == owned.count(b) for b in range(pool.num_blocks)), "reference counts are off"
     assert len(free) == len(set(free)), "a block is on the free list twice"
     assert not set(owned) & set(free), "a block is both owned and free"
-    assert sorted(owned + free) == list(range(pool.num_blocks)), "blocks were lost or invented"
+    assert set(owned) | set(free) == set(range(pool.num_blocks)), "blocks were lost or invented"
+    assert all(pool.block_hash[b] is not None for b in pool._evictable), "an evictable block caches nothing"
+    assert all(pool.block_hash[b] == h for h, b in pool.cached.items())
     assert pool.num_free_blocks == len(free)
-    assert pool.usage == pytest.approx(len(owned) / pool.num_blocks)
+    assert pool.usage == pytest.approx(len(set(owned)) / pool.num_blocks)
 
 
 def test_blocks_needed_and_can_ever_fit():
@@ -221,6 +226,24 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.model.pop(rid, None)
         assert self.pool.table(rid) == []
 
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def cache(self, data):
+        """The prefix cache registers a request's full blocks under their hashes."""
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        self.pool.register(rid, 0, [f"{rid}:{b}".encode() for b in self.pool.table(rid)])
+
+    @rule(rid=rids, data=st.data())
+    def hit(self, rid, data):
+        """A new request starts with a run of cached blocks."""
+        if rid in self.model or not self.pool.cached:
+            return
+        hashes = data.draw(st.lists(st.sampled_from(sorted(self.pool.cached)), max_size=4, unique=True))
+        blocks = self.pool.lookup(hashes)
+        self.pool.share(rid, blocks)
+        self.model[rid] = len(blocks)
+        assert self.pool.table(rid) == blocks
+
     @invariant()
     def conserved(self):
         if not hasattr(self, "pool"):
@@ -228,7 +251,8 @@ class BlockPoolMachine(RuleBasedStateMachine):
         check_conservation(self.pool)
         for rid, count in self.model.items():
             assert len(self.pool.table(rid)) == count
-        assert self.pool.num_free_blocks == self.pool.num_blocks - sum(self.model.values())
+        owned = {b for t in self.pool.tables.values() for b in t}
+        assert self.pool.num_free_blocks == self.pool.num_blocks - len(owned)
 
 
 TestBlockPoolMachine = BlockPoolMachine.TestCase
@@ -251,4 +275,59 @@ def test_a_rolled_back_request_regrows_into_the_blocks_it_gave_back():
     pool.truncate("a", 12)
     assert pool.allocate("a", 24)
     assert pool.table("a") == [0, 1, 2, 4, 5, 6]
+    check_conservation(pool)
+
+
+# ------------------------------------------------------------------ reference counts, LRU
+def _cache_table(pool: BlockPool, rid: str, tag: str) -> list[bytes]:
+    """Registers every block of rid's table under made-up hashes."""
+    hashes = [f"{tag}{i}".encode() for i in range(len(pool.table(rid)))]
+    pool.register(rid, 0, hashes)
+    return hashes
+
+
+def test_shared_blocks_are_counted_and_freed_by_their_last_user():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    assert pool.allocate("a", 8)
+    hashes = _cache_table(pool, "a", "p")
+    blocks = pool.lookup(hashes)
+    assert blocks == pool.table("a")
+    pool.share("b", blocks)
+    assert pool.allocate("b", 10)  # one block of its own on top of the two shared
+    assert [pool.ref_count[b] for b in blocks] == [2, 2]
+    pool.free("a")
+    assert [pool.ref_count[b] for b in blocks] == [1, 1] and pool.num_free_blocks == 3
+    pool.free("b")
+    assert pool.num_free_blocks == 6 and sorted(pool._evictable) == sorted(blocks)  # still cached
+    assert pool.lookup(hashes) == blocks
+    check_conservation(pool)
+
+
+def test_allocation_takes_plain_blocks_first_then_evicts_the_least_recently_used():
+    pool = BlockPool(num_blocks=5, block_size=1)
+    assert pool.allocate("old", 2) and pool.allocate("new", 2)
+    old, new = _cache_table(pool, "old", "o"), _cache_table(pool, "new", "n")
+    pool.free("old")
+    pool.free("new")
+    assert pool.allocate("x", 1)  # the one plain block
+    assert len(pool.cached) == 4
+    assert pool.allocate("x", 3)  # two evictions: "old"'s blocks, its tail first
+    assert pool.lookup(old) == [] and len(pool.lookup(new)) == 2
+    pool.share("y", pool.lookup(new)[:1])  # a hit makes a block recently used and owned
+    assert pool.allocate("x", 4)  # so "new"'s second block is the one evicted
+    assert len(pool.lookup(new)) == 1 and not pool.allocate("x", 5)
+    check_conservation(pool)
+
+
+def test_a_hash_cached_twice_keeps_its_first_block_and_reset_forgets_all():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    assert pool.allocate("a", 2) and pool.allocate("b", 2)
+    pool.register("a", 0, [b"h"])
+    pool.register("b", 0, [b"h"])  # the same prefix computed twice at once
+    assert pool.cached == {b"h": pool.table("a")[0]} and pool.block_hash[pool.table("b")[0]] is None
+    evicted = []
+    pool.on_evict = evicted.append
+    pool.free("a")
+    pool.reset_cache()
+    assert pool.cached == {} and evicted == [b"h"] and not pool._evictable
     check_conservation(pool)

@@ -285,6 +285,41 @@ def test_metrics_exposes_engine_and_latency(server):
     assert m["verispec:kv_cache_blocks_total"] == 256
 
 
+def test_prefix_cache_over_http_salts_reset_and_metrics(server, smollm2_llm):
+    """lm-eval's shape twice: the second time the shared context's KV and prompt rows come from the
+    cache and every logprob is the same; another cache_salt hits nothing; a reset (API key
+    required) forgets everything."""
+    tok = smollm2_llm.get_tokenizer()
+    context = tok.encode("Question: which of these is a fruit, and why would a botanist agree? " * 4 + "Answer:")
+    prompts = [context + tok.encode(" " + choice) for choice in ("apple", "stone", "chair", "cloud")]
+    body = {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+
+    def run(**extra):
+        before = server.metrics()
+        resp = server.post("/v1/completions", {**body, **extra}).json()
+        after = server.metrics()
+        delta = {k: after[f"verispec:prefix_cache_{k}_total"] - before[f"verispec:prefix_cache_{k}_total"]
+                 for k in ("queries", "hits", "prompt_rows_hits")}
+        return [c["logprobs"]["token_logprobs"] for c in sorted(resp["choices"], key=lambda c: c["index"])], delta
+
+    # Whole 16-token blocks before each prompt's last token; the first request of a fresh salt
+    # hits nothing, the three after it hit its blocks.
+    hittable = [(len(p) - 1) // 16 * 16 for p in prompts]
+    first, _ = run(cache_salt="t1")
+    again, delta = run(cache_salt="t1")
+    assert delta["hits"] == sum(hittable) and delta["prompt_rows_hits"] == sum(hittable), delta
+    assert again == first  # the cached rows are the rows computed the first time
+    _, other = run(cache_salt="t2")
+    assert other["hits"] == sum(hittable[1:]), other
+    assert 0 < server.metrics()["verispec:prefix_cache_hit_rate"] <= 1
+    assert requests.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 401
+    assert server.post("/reset_prefix_cache", {}).status_code == 200
+    _, after_reset = run(cache_salt="t1")
+    assert after_reset["hits"] == sum(hittable[1:]), after_reset
+    bad = server.post("/v1/completions", {**body, "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
 # ---------------------------------------------------------------------------------- disconnects
 def test_stream_disconnect_aborts_and_frees_blocks(server):
     r = server.post("/v1/completions", {"prompt": "Write a long story.", "max_tokens": 2000, "ignore_eos": True,
