@@ -114,6 +114,7 @@ class Summary:
 
 def _run_once(llm: Any, convs: list[Conversation], params: Any, row: AdaptiveRow) -> list[list[int]]:
     before = llm.stats()
+    llm.reset_prefix_cache()  # every run and configuration computes its prompts in full
     busy, mine, start = busy_seconds(), self_seconds(), time.perf_counter()
     outs = llm.chat(convs, params, use_tqdm=False)
     wall = time.perf_counter() - start

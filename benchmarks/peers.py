@@ -119,6 +119,9 @@ class VerispecSystem:
         llm = self._engine(variant)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=logprobs)
         before = llm.stats()
+        # Every system computes each prompt in full (llama.cpp's cache is reset too); the prefix
+        # cache is measured on its own (benchmarks/prefix.py).
+        llm.reset_prefix_cache()
         outs = llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params, use_tqdm=False)
         after = llm.stats()
         seqs = [o.outputs[0] for o in outs]

@@ -44,6 +44,7 @@ from benchmarks.report import (
 from benchmarks.scenarios import (
     ADAPTIVE_SCENARIO,
     ALL_SCENARIOS,
+    PREFIX_SCENARIO,
     SCENARIOS,
     SPEC_SCENARIO,
     Scenario,
@@ -52,6 +53,7 @@ from benchmarks.scenarios import (
     headlines,
     max_abs_diff,
 )
+from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.spec import SpecRow, run_sweep, write_spec
 from benchmarks.targets import evaluate, format_targets
 from benchmarks.tiers import (
@@ -319,6 +321,14 @@ def run(args: argparse.Namespace) -> int:
     if ADAPTIVE_SCENARIO in cfg.scenarios and not prompts:
         log("adaptive verification sweep (verispec, by batch size) ...")
         adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log, queue=cfg.adaptive_queue)
+    prefix = None
+    if PREFIX_SCENARIO in cfg.scenarios:
+        log("prefix caching: cache on against cache off (verispec, two HTTP servers, then in process) ...")
+        try:
+            prefix = run_prefix(tokenizer, cfg.quick, cfg.max_tokens, cfg.runs, cfg.out, log)
+        except Exception as exc:  # noqa: BLE001 - the other tables stay valid without it
+            state.errors["prefix"] = f"prefix caching benchmark failed: {exc!r}"
+            log(f"prefix caching benchmark failed:\n{traceback.format_exc()}")
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -329,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
         "runs": cfg.runs,
         "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
         "scenarios": {s: SCENARIOS[s].description() if s in SCENARIOS else
-                      "adaptive verification sweep" if s == ADAPTIVE_SCENARIO else "speculative sweep"
+                      "adaptive verification sweep" if s == ADAPTIVE_SCENARIO else
+                      "prefix caching, cache on against off" if s == PREFIX_SCENARIO else "speculative sweep"
                       for s in cfg.scenarios},
         "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
@@ -368,6 +379,9 @@ def run(args: argparse.Namespace) -> int:
         if not all(r.identical for r in adaptive_rows):
             bad = ", ".join(f"batch {r.batch_size} {r.config}" for r in adaptive_rows if not r.identical)
             state.errors["adaptive"] = f"greedy output differs from the non-speculative one: {bad}"
+    if prefix is not None:
+        print()
+        print(write_prefix(cfg.out, machine, prefix))
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
            "fidelity": {r.tier: r.to_json() for r in state.fidelity}}

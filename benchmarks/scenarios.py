@@ -50,7 +50,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 SPEC_SCENARIO = "spec"
 # The adaptive verification sweep (verispec only, by batch size): see benchmarks/adaptive.py.
 ADAPTIVE_SCENARIO = "adaptive"
-ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO)
+# Prefix caching, cache on against off (verispec only, two HTTP servers): see benchmarks/prefix.py.
+PREFIX_SCENARIO = "prefix"
+ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO)
 
 
 def headlines() -> dict[str, str]:

@@ -126,6 +126,7 @@ def run_sweep(max_tokens: int, quick: bool, log: Callable[[str], None],
             for name in names:
                 llm, row = engines[name], by_name[name]
                 before = llm.stats()
+                llm.reset_prefix_cache()  # each drafter computes the whole prompt, as the first did
                 start = time.perf_counter()
                 out = llm.chat(conv, params, use_tqdm=False)[0].outputs[0]
                 row.seconds += time.perf_counter() - start

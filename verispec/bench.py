@@ -53,6 +53,7 @@ def measure(llm, prompt: list[int], batch: int, max_tokens: int, runs: int) -> B
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ttfts, steps, rates, before = [], [], [], llm.stats()
     for run in range(runs + 1):
+        llm.reset_prefix_cache()  # each run computes its prompts in full, as the first did
         for i in range(batch):
             engine.add_request(f"bench-{run}-{i}", prompt, params)
         start = time.perf_counter()
