@@ -244,6 +244,7 @@ def plot_prefix(path: Path, res: PrefixResults) -> None:
     for name, style in (("off", "--"), ("on", "-")):
         times = res.ttft_by_turn.get(name, [])
         ax1.plot(range(1, len(times) + 1), times, style, marker="o", label=f"cache {name}")
+    ax1.set_xticks(range(1, len(USER_TURNS) + 1))
     ax1.set_xlabel("chat turn")
     ax1.set_ylabel("time to first token (s)")
     ax1.set_title("multi-turn chat over HTTP")
