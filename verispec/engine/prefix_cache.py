@@ -204,18 +204,19 @@ class PrefixCache:
         pending = req.pending_prompt_rows
         if pending is not None and pending[0] + len(pending[1]) == first:
             first, rows = pending[0], LogprobsLists.cat([pending[1], rows])
-        size, end = self.pool.block_size, first + len(rows)
+        size, end, last = self.pool.block_size, first + len(rows), req.num_prompt_tokens - 1
         key = prompt_rows_key(req.params, req.logprobs_mode)
         hashes = self.block_hashes(req)
         b = -(-first // size)
         # Block b's rows are at positions [b*B, (b+1)*B); the last of them predicts prompt token (b+1)*B.
-        while (b + 1) * size <= min(end, req.num_prompt_tokens - 1):
+        while (b + 1) * size <= min(end, last):
             if hashes[b] in self.pool.cached:
                 block_rows = rows.rows(b * size - first, (b + 1) * size - first)
                 self.rows.put(hashes[b], key, req.token_ids[(b + 1) * size], req.params.prompt_logprobs, block_rows)
             b += 1
         rest = max(b * size, first)
-        req.pending_prompt_rows = (rest, rows.rows(rest - first)) if rest < end else None
+        completes = rest < end and (b + 1) * size <= last  # a later chunk can still complete block b
+        req.pending_prompt_rows = (rest, rows.rows(rest - first)) if completes else None
 
     # ------------------------------------------------------------------ whole cache
     def reset(self) -> None:
