@@ -94,7 +94,11 @@ def test_chat_streaming_equals_plain(server):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert text == plain.choices[0].message.content
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in plain.choices[0].logprobs.content]
+    # The second request may hit the first one's cached prefix and compute a shorter chunk: equal
+    # within fp32 rounding (the dense fp32 matmuls round a row by the chunk's row count).
+    assert [e.token for e in streamed] == [e.token for e in plain.choices[0].logprobs.content]
+    for ours, ref in zip(streamed, plain.choices[0].logprobs.content):
+        _assert_same_entry(ours.logprob, ref.logprob)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == plain.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
 
