@@ -46,6 +46,42 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names); exactly one field is set. The engine
+    compiles it with llguidance (sample/grammar.py)."""
+
+    json: dict | str | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        set_ = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be true or false; got {self.json_object!r}")
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {set_ or 'none'}")
+        if self.json is not None and not (isinstance(self.json, dict) or is_valid_text(self.json)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text); got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (is_valid_text(value) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string; got {value!r}")
+        if self.choice is not None and not (
+            isinstance(self.choice, list) and self.choice and all(is_valid_text(c) and c for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings; got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -73,6 +109,8 @@ class SamplingParams:
     # Requests with different salts never share cached prefix blocks (engine/prefix_cache.py), so
     # one tenant cannot learn from timing that another sent the same prompt.
     cache_salt: str | None = None
+    # A grammar the output must follow: StructuredOutputsParams, or a dict of its fields.
+    structured_outputs: StructuredOutputsParams | dict | None = None
     # Filled by the engine from `bad_words` with its tokenizer; not a user field.
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -93,6 +131,13 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1]; got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63); got {self.seed!r}")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs has an unknown field: {exc}") from None
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a dict or StructuredOutputsParams; got {self.structured_outputs!r}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be None or a non-empty string; got {self.cache_salt!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

@@ -21,6 +21,7 @@ from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
 from verispec.outputs import RequestOutput
+from verispec.sample.grammar import GrammarCompiler
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel
@@ -89,6 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step, adaptive=adaptive)
         warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self.num_steps = 0
@@ -154,6 +156,8 @@ class LLMEngine:
         params._bad_words_token_ids = self._bad_word_ids(params.bad_words)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         mode = params.logprobs_mode or self.config.logprobs_mode
+        # Compiled (and checked) before any child is queued: a bad grammar refuses the whole request.
+        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         parent = _Parent(request_id, text, ids)
         base_seed = params.seed
         if base_seed is None:
@@ -175,6 +179,7 @@ class LLMEngine:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                 # The others wait for the first to cache the prompt, then hit it.
                 prefill_leader=parent.children[0] if i > 0 else None,
+                grammar=None if grammar is None else grammar if i == 0 else self.grammars.matcher(params.structured_outputs),
             )
             parent.children.append(req)
             self._child_parent[child_id] = request_id

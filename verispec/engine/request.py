@@ -12,6 +12,7 @@ from verispec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from verispec.outputs import LogprobsLists
+    from verispec.sample.grammar import RequestGrammar
     from verispec.spec_decode.adaptive import RequestHistory
 
 
@@ -64,6 +65,7 @@ class Request:
     cache_epoch: int = 0  # the prefix cache's epoch at admission (a reset ends it)
     pending_prompt_rows: "tuple[int, LogprobsLists] | None" = None
     prefill_leader: "Request | None" = None
+    grammar: "RequestGrammar | None" = None  # structured output: the matcher at the end of the output
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -179,7 +179,10 @@ class Scheduler:
                 output.append_prompt_logprobs(req, *prompt_rows)
             tokens = result.sampled.get(req.request_id)
             if tokens:
+                before = req.num_tokens
                 output.append_tokens(req, tokens, result.logprobs.get(req.request_id))
+                if req.grammar is not None:
+                    req.grammar.advance(req.token_ids[before:])
                 emitted.append(req)
             # After the tokens: accepted drafts are computed, and now in token_ids too.
             self.prefix_cache.cache_computed(req)

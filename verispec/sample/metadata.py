@@ -15,6 +15,7 @@ import torch
 
 from verispec.config import LogprobsMode
 from verispec.device_copy import to_device
+from verispec.sample.grammar import bitmask_tensor
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class RowSpec:
     mode: LogprobsMode
     num_logprobs: int | None  # top-k count for this row's logprobs (None: no logprobs)
     position_independent: bool = False  # prompt rows: only position-independent processors
+    grammar_mask: bytes | None = None  # structured output: llguidance's bitmask for this row
     purpose: str = "sample"  # which noise stream a random draw of this row uses
 
     @classmethod
@@ -75,6 +77,7 @@ class SamplingMetadata:
     greedy: list[bool]
     any_penalty: bool
     any_sparse: bool  # allowed ids, bad words, min_tokens or logit_bias somewhere
+    grammar: torch.Tensor | None  # [R, ceil(V / 32)] int32 allowed-token bits (sample/grammar.py)
     # A view (see `select`): logits row r belongs to `rows[row_index[r]]`, a device-side map.
     row_index: torch.Tensor | None = None
     # Tensors the processors build from `rows` once and share with every view of them.
@@ -85,7 +88,7 @@ class SamplingMetadata:
         per-row tensors are gathered, host-built ones are gathered when a stage builds them."""
         pick = lambda t: None if t is None else t[row_index]  # noqa: E731
         return replace(self, temperature=pick(self.temperature), top_k=pick(self.top_k), top_p=pick(self.top_p),
-                       min_p=pick(self.min_p), row_index=row_index)
+                       min_p=pick(self.min_p), grammar=pick(self.grammar), row_index=row_index)
 
     @classmethod
     def build(cls, rows: list[RowSpec], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -115,4 +118,5 @@ class SamplingMetadata:
             greedy=greedy,
             any_penalty=any_pen,
             any_sparse=any_sparse,
+            grammar=bitmask_tensor([r.grammar_mask for r in rows], vocab_size, device),
         )

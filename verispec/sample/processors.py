@@ -1,10 +1,12 @@
 """The logits processor chain, in this order (HF transformers applies the same stages alike):
 
+0. grammar mask (structured output)
 1. allowed_token_ids mask   2. bad words   3. min_tokens (stop ids masked)   4. logit_bias
 5. repetition / presence / frequency penalties   6. temperature (1 for greedy)   7. min_p
 8. top_k / top_p (masked entries become -inf)
 
-Rows flagged `position_independent` (prompt positions) get only 1, 4, 6, 7 and 8. The stages that
+Rows flagged `position_independent` (prompt positions) get only 1, 4, 6, 7 and 8 (a prompt has no
+grammar). The stages that
 need per-request token lists (1-5) build their masks on the host from host data; 6-8 are batched.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from verispec.device_copy import to_device
+from verispec.sample.grammar import apply_bitmask
 from verispec.sample.metadata import SamplingMetadata
 
 NEG_INF = float("-inf")
@@ -21,6 +24,8 @@ NEG_INF = float("-inf")
 def apply_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Returns processed fp32 logits [R, V]; `logits` itself is left untouched (raw snapshot)."""
     out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    if md.grammar is not None:
+        apply_bitmask(out, md.grammar)
     if md.any_sparse:
         _apply_sparse(out, md)
     if md.any_penalty:

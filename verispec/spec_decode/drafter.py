@@ -49,7 +49,10 @@ class NgramDrafter:
         for req in running:
             room = draft_room(req, self.k, max_model_len)
             if room:
-                req.draft_token_ids = propose_ngram(req.token_ids, room, self.n_min, self.n_max)
+                drafts = propose_ngram(req.token_ids, room, self.n_min, self.n_max)
+                if req.grammar is not None:  # only drafts the grammar allows can be verified
+                    drafts = drafts[: req.grammar.valid_prefix(drafts)]
+                req.draft_token_ids = drafts
 
 
 class ModelDrafter:
@@ -61,7 +64,9 @@ class ModelDrafter:
 
     def propose(self, running: list[Request], max_model_len: int) -> None:
         for req in running:
-            room = draft_room(req, self.k, max_model_len)
+            # A constrained request is not drafted for: its drafts would appear on the device in
+            # mid-step, and each one's grammar mask would need the host, a sync per draft.
+            room = draft_room(req, self.k, max_model_len) if req.grammar is None else 0
             if room:
                 req.draft_token_ids = [PLACEHOLDER] * room  # drafted inside the next step
 

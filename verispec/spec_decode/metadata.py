@@ -72,6 +72,10 @@ class SpecDecodeMetadata:
         d = [len(x) for x in ids]
         k = max(d)
         per_request = [[RowSpec.for_request(req, x[:j]) for j in range(len(x) + 1)] for req, x in zip(reqs, ids)]
+        for req, x, group in zip(reqs, ids, per_request):
+            if req.grammar is not None:  # one mask per candidate row (model drafters skip these requests)
+                for spec, mask in zip(group, req.grammar.row_masks(x)):
+                    spec.grammar_mask = mask
         rows = [spec for group in per_request for spec in group]
         draft_ids = fill = None
         on_device = any(m is not None for m in model)

@@ -1,0 +1,141 @@
+"""Structured output: a grammar mask per sampled row, from llguidance.
+
+A request with `structured_outputs` gets an `llguidance.LLMatcher` that follows its output: the
+scheduler advances it by every token the request emits. When a step's rows are built, the matcher
+gives each candidate row its bitmask of allowed tokens: the first row's at the request's current
+output, and for drafts, the matcher is advanced through them, a mask taken after each, then rolled
+back. Drafts are cut to their longest grammar-valid prefix when they are proposed, so every
+candidate row has a live grammar state.
+
+The mask is the first processor (with `allowed_token_ids`): processed logprobs include it, raw
+ones do not, prompt rows never get it. Grammars compile once per (kind, text), and each request
+takes a copy of the compiled matcher; llguidance's parser limits bound a grammar's cost, so a
+pathological one fails its own request with the backend's message instead of stalling the step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from verispec.sampling_params import StructuredOutputsParams
+
+# Compiled grammars kept for reuse (a JSON schema sent with every request compiles once).
+_MAX_COMPILED = 256
+
+
+@dataclass(slots=True)
+class RequestGrammar:
+    """One request's matcher, at the end of its emitted tokens."""
+
+    matcher: Any  # llguidance.LLMatcher
+
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many of the drafts the grammar allows, in order."""
+        return self.matcher.validate_tokens(drafts) if drafts else 0
+
+    def row_masks(self, drafts: list[int]) -> list[bytes]:
+        """Bitmasks of the rows after the output plus drafts[:j], j = 0 .. len(drafts)."""
+        masks = [self.matcher.compute_bitmask()]
+        for token in drafts:
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"draft token {token} is not allowed by the grammar: {self.matcher.get_error()}")
+            masks.append(self.matcher.compute_bitmask())
+        if drafts:
+            self.matcher.rollback(len(drafts))
+        return masks
+
+    def advance(self, tokens: list[int]) -> None:
+        """Follows the request's newly emitted tokens (sampled under this grammar's masks)."""
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return  # the grammar is complete: what follows is EOS, which ends the request
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"token {token} is not allowed by the grammar: {self.matcher.get_error()}")
+
+
+class GrammarCompiler:
+    """Turns StructuredOutputsParams into matchers; the llguidance tokenizer is built on first use."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]):
+        self._hf_tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher; ValueError naming the field when the grammar is invalid."""
+        import llguidance
+
+        kind = params.kind
+        text = _grammar_text(params)
+        key = (kind, text)
+        template = self._compiled.get(key)
+        if template is None:
+            try:
+                grammar = llguidance.grammar_from(_FORMATS[kind], text)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.{kind} is invalid: {exc}") from None
+            tok = self._tokenizer()
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+            if failed:
+                raise ValueError(f"structured_outputs.{kind} is invalid: {messages[0]}")
+            template = llguidance.LLMatcher(tok, grammar, log_level=0)
+            if template.is_error():
+                raise ValueError(f"structured_outputs.{kind} is invalid: {template.get_error()}")
+            self._compiled[key] = template
+            if len(self._compiled) > _MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(key)
+        return RequestGrammar(template.deep_copy())
+
+    def _tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            if self._hf_tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this model has none")
+            from llguidance.hf import from_tokenizer
+
+            self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
+        return self._ll_tokenizer
+
+
+_FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
+    if params.json_object:
+        return '{"type": "object"}'
+    if params.json is not None:
+        return params.json if isinstance(params.json, str) else json.dumps(params.json, sort_keys=True)
+    if params.choice is not None:
+        return json.dumps(params.choice)
+    return params.regex if params.regex is not None else params.grammar
+
+
+def bitmask_tensor(masks: list[bytes | None], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[R, ceil(V / 32)] int32 bitmasks, every bit set for a row without a grammar; None if no row has one."""
+    if all(m is None for m in masks):
+        return None
+    words = (vocab_size + 31) // 32
+    out = np.full((len(masks), words), -1, dtype=np.int32)
+    for i, m in enumerate(masks):
+        if m is not None:
+            row = np.frombuffer(m, dtype=np.int32)
+            out[i, : min(words, row.size)] = row[:words]
+    host = torch.from_numpy(out)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens (bit 0) become -inf, in place."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
+    logits.masked_fill_(~allowed, float("-inf"))
