@@ -205,3 +205,72 @@ def test_smollm2_schemas_validate_and_speculation_changes_nothing():
     for a, b in zip(outs[100:], spec_outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert spec.stats()["num_accepted_tokens"] > 0
+
+
+def _exact_choice_distribution(tiny_tok: str, prompt: list[int], so: StructuredOutputsParams) -> dict[str, float]:
+    """P(output text) at temperature 1 under the grammar: every token path, each step's HF row
+    restricted to the grammar's allowed tokens and renormalized (paths below 1e-9 are dropped)."""
+    import llguidance
+    from llguidance.hf import from_tokenizer
+    from transformers import AutoTokenizer
+
+    from verispec.sample.grammar import _FORMATS, _grammar_text
+
+    hf_tok = AutoTokenizer.from_pretrained(tiny_tok)
+    model, vocab, eos = hf_model(tiny_tok), 49152, 2
+    m = llguidance.LLMatcher(from_tokenizer(hf_tok, n_vocab=vocab, eos_token=[eos]),
+                             llguidance.grammar_from(_FORMATS[so.kind], _grammar_text(so)))
+    out: dict[str, float] = {}
+
+    def visit(path: list[int], prob: float) -> None:
+        ok = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab].astype(bool)
+        with torch.no_grad():
+            row = model(torch.tensor([prompt + path])).logits[0, -1].double()
+        row[~torch.from_numpy(ok)] = -math.inf
+        p = torch.softmax(row, -1)
+        for t in np.flatnonzero(ok):
+            q = prob * float(p[t])
+            if t == eos:
+                text = hf_tok.decode(path)
+                out[text] = out.get(text, 0.0) + q
+            elif q > 1e-9:
+                assert m.consume_token(int(t))
+                visit(path + [int(t)], q)
+                m.rollback(1)
+
+    visit([], 1.0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def choice_case(tiny_tok):
+    from transformers import AutoTokenizer
+
+    so = StructuredOutputsParams(choice=["dark blue", "light green", "deep red"])
+    prompt = AutoTokenizer.from_pretrained(tiny_tok).encode("deep red, light green and dark blue; dark blue")
+    exact = _exact_choice_distribution(tiny_tok, prompt, so)
+    assert abs(sum(exact.values()) - 1.0) < 1e-6
+    return so, prompt, exact
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram"])
+def test_sampled_strings_follow_the_grammar_restricted_distribution(engines, choice_case, spec):
+    """Chi-square: over 2000 seeds, the strings a choice grammar yields follow the target restricted
+    to the grammar and renormalized, step by step, with and without drafts (the prompt holds the
+    choices, so prompt lookup drafts their second words)."""
+    from test_spec_decode import chi_square
+
+    so, prompt, exact = choice_case
+    n = 2000
+    llm = engines[spec]
+    drafts = llm.stats()["num_draft_tokens"]
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=12, structured_outputs=so)
+                                       for s in range(n)], use_tqdm=False)
+    counts: dict[str, int] = {}
+    for o in outs:
+        counts[o.outputs[0].text] = counts.get(o.outputs[0].text, 0) + 1
+    assert set(counts) <= set(so.choice)
+    stat, df = chi_square(counts, exact, n)
+    assert stat < df + 10 * math.sqrt(2 * df), (stat, df, counts, exact)
+    if spec:
+        assert llm.stats()["num_draft_tokens"] > drafts
