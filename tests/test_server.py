@@ -324,6 +324,49 @@ def test_prefix_cache_over_http_salts_reset_and_metrics(server, smollm2_llm):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
+# ----------------------------------------------------------------------------- structured output
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_and_structured_outputs_over_http(server):
+    import jsonschema
+
+    client = server.openai()
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=64,
+        temperature=0.8, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    obj = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=48, temperature=0,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    colors = ["red", "green", "blue"]
+    picked = client.completions.create(model=MODEL, prompt="My favourite color is", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": colors}})
+    assert picked.choices[0].text in colors and picked.choices[0].finish_reason == "stop"
+    phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=12, temperature=0,
+                                      extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert re.fullmatch(r" \d{3}-\d{4}", phone.choices[0].text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
+])
+def test_a_bad_grammar_is_a_400_naming_its_field(server, body, param):
+    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
 # ---------------------------------------------------------------------------------- disconnects
 def test_stream_disconnect_aborts_and_frees_blocks(server):
     r = server.post("/v1/completions", {"prompt": "Write a long story.", "max_tokens": 2000, "ignore_eos": True,

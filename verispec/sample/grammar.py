@@ -29,6 +29,14 @@ from verispec.sampling_params import StructuredOutputsParams
 _MAX_COMPILED = 256
 
 
+class GrammarError(ValueError):
+    """An invalid grammar: `detail` is llguidance's message, the text names the field."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"structured_outputs.{kind} is invalid: {detail}")
+        self.detail = detail
+
+
 @dataclass(slots=True)
 class RequestGrammar:
     """One request's matcher, at the end of its emitted tokens."""
@@ -70,7 +78,7 @@ class GrammarCompiler:
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher; ValueError naming the field when the grammar is invalid."""
+        """A fresh matcher; GrammarError (a ValueError naming the field) when the grammar is invalid."""
         import llguidance
 
         kind = params.kind
@@ -81,14 +89,14 @@ class GrammarCompiler:
             try:
                 grammar = llguidance.grammar_from(_FORMATS[kind], text)
             except ValueError as exc:
-                raise ValueError(f"structured_outputs.{kind} is invalid: {exc}") from None
+                raise GrammarError(kind, str(exc)) from None
             tok = self._tokenizer()
             failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
             if failed:
-                raise ValueError(f"structured_outputs.{kind} is invalid: {messages[0]}")
+                raise GrammarError(kind, messages[0])
             template = llguidance.LLMatcher(tok, grammar, log_level=0)
             if template.is_error():
-                raise ValueError(f"structured_outputs.{kind} is invalid: {template.get_error()}")
+                raise GrammarError(kind, template.get_error())
             self._compiled[key] = template
             if len(self._compiled) > _MAX_COMPILED:
                 self._compiled.popitem(last=False)

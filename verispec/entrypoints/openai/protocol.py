@@ -56,6 +56,19 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -90,6 +103,15 @@ class _SamplingFields(_Request):
     cache_salt: str | None = Field(
         default=None, description="requests with different salts never share cached prefix blocks"
     )
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_* (one of them).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None, description="one of json (a schema), regex, choice, grammar (Lark or GBNF), json_object"
+    )
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

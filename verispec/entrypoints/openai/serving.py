@@ -17,7 +17,8 @@ from verispec.engine.core_client import AsyncEngineClient, EngineDeadError
 from verispec.engine.core_protocol import LogprobRow, RequestDelta
 from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
-from verispec.sampling_params import SamplingParams
+from verispec.sample.grammar import GrammarCompiler, GrammarError
+from verispec.sampling_params import SamplingParams, StructuredOutputsParams
 
 # JSON has no -inf: a masked alternative's score is reported as this, as vLLM does.
 NEG_INF_JSON = -9999.0
@@ -65,6 +66,21 @@ class ServingContext:
     max_n: int = 16
     max_prompt_tokens: int | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
+    _grammars: GrammarCompiler | None = None
+
+    def check_grammar(self, params: StructuredOutputsParams, param: str) -> None:
+        """Compiles the grammar here too, so a bad one is a 400 naming the field before anything
+        streams (the core compiles it again, from its own cache)."""
+        if self._grammars is None:
+            eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, frozenset({eos} - {None}))
+        try:
+            self._grammars.matcher(params)
+        except GrammarError as exc:
+            raise RequestError(str(exc) if param == "structured_outputs" else f"{param} is invalid: {exc.detail}",
+                               param) from None
+        except ValueError as exc:  # no tokenizer
+            raise RequestError(str(exc), param) from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -109,10 +125,37 @@ class ServingContext:
 _FIELD_RE = re.compile(r"^([a-z_]+)")
 
 
+def structured_outputs(req) -> tuple[str, dict] | None:
+    """The request's grammar, from whichever one field sets it, as StructuredOutputsParams fields."""
+    found = []
+    if req.structured_outputs is not None:
+        found.append(("structured_outputs", dict(req.structured_outputs)))
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise RequestError("response_format.json_schema.schema is required when type is json_schema",
+                               "response_format")
+        found.append(("response_format", {"json": fmt.json_schema.schema_}))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            found.append((name, {kind: getattr(req, name)}))
+    if len(found) > 1:
+        raise RequestError(f"{found[1][0]} cannot be combined with {found[0][0]}: a request takes one grammar",
+                           found[1][0])
+    return found[0] if found else None
+
+
 def sampling_params(ctx: ServingContext, req, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None, renames: dict[str, str] | None = None) -> SamplingParams:
     """SamplingParams from a request; a ValueError becomes a 400 naming the request's field."""
     kw: dict = {"max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    grammar = structured_outputs(req)
+    if grammar is not None:
+        kw["structured_outputs"] = grammar[1]
+        renames = {**(renames or {}), "structured_outputs": grammar[0]}
     for name in _PASSTHROUGH:
         value = getattr(req, name)
         if value is not None:
@@ -132,6 +175,8 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int | None, logprob
             message = renames[name] + message[len(name):]
             name = renames[name]
         raise RequestError(message, name if name in type(req).model_fields else None) from None
+    if grammar is not None:
+        ctx.check_grammar(params.structured_outputs, grammar[0])
     return params
 
 
