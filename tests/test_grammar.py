@@ -274,3 +274,22 @@ def test_sampled_strings_follow_the_grammar_restricted_distribution(engines, cho
     assert stat < df + 10 * math.sqrt(2 * df), (stat, df, counts, exact)
     if spec:
         assert llm.stats()["num_draft_tokens"] > drafts
+
+
+def test_packed_and_unpacked_masks_agree():
+    """The CPU unpacks masks on the host (bool rows); CUDA ships the packed words and unpacks them
+    on the device. Both ban exactly the tokens whose bit is 0."""
+    from verispec.sample.grammar import apply_bitmask, bitmask_tensor
+
+    g = np.random.default_rng(0)
+    vocab = 100
+    masks = [g.integers(0, 2**32, 4, dtype=np.uint32).astype(np.uint32).tobytes(), None]
+    unpacked = bitmask_tensor(masks, vocab, torch.device("cpu"))
+    words = np.full((2, 4), -1, dtype=np.int32)
+    words[0] = np.frombuffer(masks[0], dtype=np.int32)
+    a, b = torch.zeros(2, vocab), torch.zeros(2, vocab)
+    apply_bitmask(a, unpacked)
+    apply_bitmask(b, torch.from_numpy(words))
+    assert torch.equal(a, b)
+    expect = np.unpackbits(np.frombuffer(masks[0], dtype=np.uint8), bitorder="little")[:vocab].astype(bool)
+    assert torch.equal(torch.isneginf(a[0]), torch.from_numpy(~expect)) and not torch.isinf(a[1]).any()

@@ -77,7 +77,7 @@ class SamplingMetadata:
     greedy: list[bool]
     any_penalty: bool
     any_sparse: bool  # allowed ids, bad words, min_tokens or logit_bias somewhere
-    grammar: torch.Tensor | None  # [R, ceil(V / 32)] int32 allowed-token bits (sample/grammar.py)
+    grammar: torch.Tensor | None  # the rows' allowed tokens, bool or packed bits (sample/grammar.py)
     # A view (see `select`): logits row r belongs to `rows[row_index[r]]`, a device-side map.
     row_index: torch.Tensor | None = None
     # Tensors the processors build from `rows` once and share with every view of them.
