@@ -352,6 +352,47 @@ def test_response_format_and_structured_outputs_over_http(server):
     assert re.fullmatch(r" \d{3}-\d{4}", phone.choices[0].text)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_named_and_required_give_valid_tool_calls(server, stream):
+    """Through the official client: every call names a given tool and its arguments validate."""
+    import jsonschema
+
+    client = server.openai()
+    ask = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        kw = dict(model=MODEL, messages=ask, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=96, temperature=0)
+        if stream:
+            calls, reasons = [], []
+            for chunk in client.chat.completions.create(**kw, stream=True):
+                for c in chunk.choices:
+                    calls += c.delta.tool_calls or []
+                    reasons += [c.finish_reason] if c.finish_reason else []
+            assert reasons == ["tool_calls"]
+        else:
+            resp = client.chat.completions.create(**kw)
+            assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.content is None
+            calls = resp.choices[0].message.tool_calls
+        assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
+        if choice != "required":
+            assert [c.function.name for c in calls] == ["get_weather"]
+        for c in calls:
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    bad = server.post("/v1/chat/completions", {"model": MODEL, "messages": ask, "tools": [WEATHER],
+                                               "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),

@@ -6,7 +6,8 @@ from typing import Any
 
 
 def chat_prompt_ids(
-    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Applies the tokenizer's chat template; raises ValueError (naming `messages`) when the
     template rejects the conversation."""
@@ -15,8 +16,9 @@ def chat_prompt_ids(
     if not messages:
         raise ValueError("messages must hold at least one message")
     try:
+        extra = {"tools": tools} if tools else {}  # a template that knows tools lists them for the model
         ids = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **extra
         )
     except Exception as exc:  # jinja raises its own types for a conversation the template refuses
         raise ValueError(f"messages could not be rendered by the chat template: {exc}") from exc

@@ -126,10 +126,48 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # JSON text, valid against the function's parameters
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(ToolCall):
+    index: int
+
+
 class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's answer to one of those calls.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -139,6 +177,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    # "none" / "auto": a text answer (no tool-call parser runs); "required" or a named function:
+    # the answer is forced by a grammar into tool calls whose arguments fit their schemas.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class TokenizeRequest(_Request):
@@ -207,13 +249,14 @@ class ChatLogprobs(_Model):
 class AssistantMessage(_Model):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Model):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 
@@ -230,13 +273,14 @@ class ChatCompletionResponse(_Model):
 class DeltaMessage(_Model):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Model):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

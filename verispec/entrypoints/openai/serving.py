@@ -125,9 +125,10 @@ class ServingContext:
 _FIELD_RE = re.compile(r"^([a-z_]+)")
 
 
-def structured_outputs(req) -> tuple[str, dict] | None:
-    """The request's grammar, from whichever one field sets it, as StructuredOutputsParams fields."""
-    found = []
+def structured_outputs(req, tool_grammar: dict | None = None) -> tuple[str, dict] | None:
+    """The request's grammar, from whichever one field sets it, as StructuredOutputsParams fields
+    (`tool_grammar`: the schema a forced tool call imposes, entrypoints/openai/tools.py)."""
+    found = [("tool_choice", {"json": tool_grammar})] if tool_grammar is not None else []
     if req.structured_outputs is not None:
         found.append(("structured_outputs", dict(req.structured_outputs)))
     fmt = req.response_format
@@ -149,10 +150,11 @@ def structured_outputs(req) -> tuple[str, dict] | None:
 
 
 def sampling_params(ctx: ServingContext, req, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None, renames: dict[str, str] | None = None) -> SamplingParams:
+                    prompt_logprobs: int | None, renames: dict[str, str] | None = None,
+                    tool_grammar: dict | None = None) -> SamplingParams:
     """SamplingParams from a request; a ValueError becomes a 400 naming the request's field."""
     kw: dict = {"max_tokens": max_tokens, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
-    grammar = structured_outputs(req)
+    grammar = structured_outputs(req, tool_grammar)
     if grammar is not None:
         kw["structured_outputs"] = grammar[1]
         renames = {**(renames or {}), "structured_outputs": grammar[0]}

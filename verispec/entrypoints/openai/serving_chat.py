@@ -10,8 +10,9 @@ from verispec.engine.core_protocol import LogprobRow
 from verispec.entrypoints.chat_utils import chat_prompt_ids
 from verispec.entrypoints.openai.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob, UsageInfo,
+    ChatStreamChoice, ChatTokenLogprob, DeltaMessage, DeltaToolCall, TopLogprob, UsageInfo,
 )
+from verispec.entrypoints.openai.tools import forces_tools, tool_calls, tool_schema
 from verispec.entrypoints.openai.serving import (
     RequestError, ServingContext, collect, error_json, json_float, new_id, prompt_logprobs_json, sampling_params,
     sse, stream_request, usage,
@@ -31,8 +32,9 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
                 parts.append(part.text)
             content = "".join(parts)
         entry = {"role": msg.role, "content": content if content is not None else ""}
-        if msg.name is not None:
-            entry["name"] = msg.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(msg, key) is not None:
+                entry[key] = getattr(msg, key)
         out.append(entry)
     return out
 
@@ -45,15 +47,16 @@ def _prepare(ctx: ServingContext, req: ChatCompletionRequest):
         raise RequestError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     if ctx.tokenizer is None:
         raise RequestError("this model has no tokenizer and chat template; use /v1/completions", "messages")
+    tools = [t.model_dump() for t in req.tools] if req.tools else None
     try:
-        ids = chat_prompt_ids(ctx.tokenizer, _messages(req), req.add_generation_prompt)
+        ids = chat_prompt_ids(ctx.tokenizer, _messages(req), req.add_generation_prompt, tools=tools)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs and req.logprob_token_ids is None else None
     params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
-                             renames={"logprobs": "top_logprobs", "max_tokens": max_name})
+                             renames={"logprobs": "top_logprobs", "max_tokens": max_name}, tool_grammar=tool_schema(req))
     ctx.check_prompt_len(len(ids), max_tokens, "messages")
     return ids, params
 
@@ -93,20 +96,26 @@ async def create_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatCo
     request_id = new_id("chatcmpl")
     result = await collect(ctx, request_id, ids, params)
     k = req.top_logprobs or 0
-    choices = [
-        ChatChoice(
-            index=i,
-            message=AssistantMessage(content=c.text),
+    choices = []
+    for i, c in enumerate(result.choices):
+        message, reason = _answer(req, c.text, c.finish_reason)
+        choices.append(ChatChoice(
+            index=i, message=message,
             logprobs=chat_logprobs(ctx, c.rows, k, req.logprob_token_ids) if _shows_logprobs(req) else None,
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
-        )
-        for i, c in enumerate(result.choices)
-    ]
+            finish_reason=reason, stop_reason=c.stop_reason,
+        ))
     return ChatCompletionResponse(
         id=request_id, model=ctx.model_name, choices=choices, usage=usage([result]),
         prompt_logprobs=prompt_logprobs_json(result.prompt_rows) if req.prompt_logprobs is not None else None,
     )
+
+
+def _answer(req: ChatCompletionRequest, text: str, reason: str | None) -> tuple[AssistantMessage, str | None]:
+    """The assistant's message: forced tool calls when the answer completed, else its text."""
+    calls = tool_calls(req, text) if forces_tools(req) and reason == "stop" else None
+    if calls is None:
+        return AssistantMessage(content=text), reason
+    return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
 
 
 def stream_chat(ctx: ServingContext, req: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -127,15 +136,25 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int
     for i in range(params.n):
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
     completion_tokens = 0
+    # Forced tool calls go out whole, once each answer is complete: arguments arrive as one delta.
+    held = [""] * params.n if forces_tools(req) else None
     try:
         async for delta in stream_request(ctx, request_id, ids, params):
             for comp in delta.completions:
                 completion_tokens += len(comp.token_ids)
                 lp = chat_logprobs(ctx, comp.logprobs, k, req.logprob_token_ids) if _shows_logprobs(req) and comp.logprobs else None
-                if comp.text or lp is not None or comp.finish_reason is not None:
+                text, reason, calls = comp.text, comp.finish_reason, None
+                if held is not None:
+                    held[comp.index] += comp.text
+                    text = ""
+                    if reason is not None:
+                        message, reason = _answer(req, held[comp.index], reason)
+                        text, calls = message.content or "", message.tool_calls
+                if text or lp is not None or reason is not None:
+                    tool_deltas = [DeltaToolCall(index=j, **c.model_dump()) for j, c in enumerate(calls or [])]
                     yield chunk([ChatStreamChoice(
-                        index=comp.index, delta=DeltaMessage(content=comp.text or None), logprobs=lp,
-                        finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                        index=comp.index, delta=DeltaMessage(content=text or None, tool_calls=tool_deltas or None),
+                        logprobs=lp, finish_reason=reason, stop_reason=comp.stop_reason,
                     )])
     except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel as an event
         yield sse(error_json(exc))
