@@ -46,6 +46,7 @@ from benchmarks.scenarios import (
     ALL_SCENARIOS,
     PREFIX_SCENARIO,
     SCENARIOS,
+    STRUCTURED_SCENARIO,
     SPEC_SCENARIO,
     Scenario,
     build_prompts,
@@ -55,6 +56,7 @@ from benchmarks.scenarios import (
 )
 from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.spec import SpecRow, run_sweep, write_spec
+from benchmarks.structured import run_structured, write_structured
 from benchmarks.targets import evaluate, format_targets
 from benchmarks.tiers import (
     FAST,
@@ -329,6 +331,14 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - the other tables stay valid without it
             state.errors["prefix"] = f"prefix caching benchmark failed: {exc!r}"
             log(f"prefix caching benchmark failed:\n{traceback.format_exc()}")
+    structured = None
+    if STRUCTURED_SCENARIO in cfg.scenarios:
+        log("structured output: a grammar against none (verispec, in process) ...")
+        try:
+            structured = run_structured(tokenizer, cfg.quick, cfg.max_tokens, cfg.runs, log)
+        except Exception as exc:  # noqa: BLE001 - the other tables stay valid without it
+            state.errors["structured"] = f"structured output benchmark failed: {exc!r}"
+            log(f"structured output benchmark failed:\n{traceback.format_exc()}")
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -340,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
         "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
         "scenarios": {s: SCENARIOS[s].description() if s in SCENARIOS else
                       "adaptive verification sweep" if s == ADAPTIVE_SCENARIO else
-                      "prefix caching, cache on against off" if s == PREFIX_SCENARIO else "speculative sweep"
+                      "prefix caching, cache on against off" if s == PREFIX_SCENARIO else
+                      "structured output, a grammar against none" if s == STRUCTURED_SCENARIO else "speculative sweep"
                       for s in cfg.scenarios},
         "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
@@ -382,6 +393,9 @@ def run(args: argparse.Namespace) -> int:
     if prefix is not None:
         print()
         print(write_prefix(cfg.out, machine, prefix))
+    if structured is not None:
+        print()
+        print(write_structured(cfg.out, machine, structured))
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
            "fidelity": {r.tier: r.to_json() for r in state.fidelity}}

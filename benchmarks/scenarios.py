@@ -52,7 +52,9 @@ SPEC_SCENARIO = "spec"
 ADAPTIVE_SCENARIO = "adaptive"
 # Prefix caching, cache on against off (verispec only, two HTTP servers): see benchmarks/prefix.py.
 PREFIX_SCENARIO = "prefix"
-ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO)
+# Structured output's cost, grammar against none (verispec only): see benchmarks/structured.py.
+STRUCTURED_SCENARIO = "structured"
+ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO)
 
 
 def headlines() -> dict[str, str]:
