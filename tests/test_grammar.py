@@ -293,3 +293,23 @@ def test_packed_and_unpacked_masks_agree():
     assert torch.equal(a, b)
     expect = np.unpackbits(np.frombuffer(masks[0], dtype=np.uint8), bitorder="little")[:vocab].astype(bool)
     assert torch.equal(torch.isneginf(a[0]), torch.from_numpy(~expect)) and not torch.isinf(a[1]).any()
+
+
+def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
+    """A mask that runs out of llguidance's per-step budget is an error for that request only; the
+    rest of the batch carries on."""
+    import llguidance
+
+    from verispec.sample.grammar import GrammarCompiler
+
+    llm = LLM(tiny_tok, dtype="float32", num_kv_blocks=64)
+    eng = llm.engine
+    eng.grammars = GrammarCompiler(eng.tokenizer, eng.vocab_size, eng.eos_token_ids,
+                                   limits=llguidance.LLParserLimits(step_max_items=5))
+    outs = llm.generate([[1, 5, 6], [1, 5, 7]], [
+        SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "string"}}}}),
+        SamplingParams(max_tokens=4, temperature=0),
+    ], use_tqdm=False)
+    assert outs[0].error is not None and "structured output failed" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
+    assert not eng.has_unfinished_requests() and eng.pool.num_free_blocks == eng.pool.num_blocks

@@ -48,15 +48,23 @@ class RequestGrammar:
         return self.matcher.validate_tokens(drafts) if drafts else 0
 
     def row_masks(self, drafts: list[int]) -> list[bytes]:
-        """Bitmasks of the rows after the output plus drafts[:j], j = 0 .. len(drafts)."""
-        masks = [self.matcher.compute_bitmask()]
+        """Bitmasks of the rows after the output plus drafts[:j], j = 0 .. len(drafts). A grammar
+        that exceeds llguidance's limits raises here: the step's crash isolation then fails this
+        request alone."""
+        masks = [self._mask()]
         for token in drafts:
             if not self.matcher.consume_token(token):
                 raise RuntimeError(f"draft token {token} is not allowed by the grammar: {self.matcher.get_error()}")
-            masks.append(self.matcher.compute_bitmask())
+            masks.append(self._mask())
         if drafts:
             self.matcher.rollback(len(drafts))
         return masks
+
+    def _mask(self) -> bytes:
+        mask = self.matcher.compute_bitmask()
+        if self.matcher.is_error():
+            raise RuntimeError(f"structured output failed: {self.matcher.get_error().splitlines()[0]}")
+        return mask
 
     def advance(self, tokens: list[int]) -> None:
         """Follows the request's newly emitted tokens (sampled under this grammar's masks)."""
@@ -70,8 +78,9 @@ class RequestGrammar:
 class GrammarCompiler:
     """Turns StructuredOutputsParams into matchers; the llguidance tokenizer is built on first use."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], limits: Any = None):
         self._hf_tokenizer = tokenizer
+        self._limits = limits  # llguidance.LLParserLimits; None: llguidance's defaults
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
@@ -91,10 +100,10 @@ class GrammarCompiler:
             except ValueError as exc:
                 raise GrammarError(kind, str(exc)) from None
             tok = self._tokenizer()
-            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=self._limits)
             if failed:
                 raise GrammarError(kind, messages[0])
-            template = llguidance.LLMatcher(tok, grammar, log_level=0)
+            template = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._limits)
             if template.is_error():
                 raise GrammarError(kind, template.get_error())
             self._compiled[key] = template
