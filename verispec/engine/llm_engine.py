@@ -157,7 +157,8 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         mode = params.logprobs_mode or self.config.logprobs_mode
         # Compiled (and checked) before any child is queued: a bad grammar refuses the whole request.
-        grammar = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
+        so = params.structured_outputs
+        grammars = [self.grammars.matcher(so) if so else None for _ in range(params.n)]
         parent = _Parent(request_id, text, ids)
         base_seed = params.seed
         if base_seed is None:
@@ -179,7 +180,7 @@ class LLMEngine:
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                 # The others wait for the first to cache the prompt, then hit it.
                 prefill_leader=parent.children[0] if i > 0 else None,
-                grammar=None if grammar is None else grammar if i == 0 else self.grammars.matcher(params.structured_outputs),
+                grammar=grammars[i],
             )
             parent.children.append(req)
             self._child_parent[child_id] = request_id

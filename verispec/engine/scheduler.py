@@ -155,9 +155,10 @@ class Scheduler:
                            skip: set[str] = frozenset()) -> list[Request]:
         """Applies one step's results to its requests (except those in `skip`): the cache now holds
         the new tokens and the accepted drafts, and blocks that held only rejected drafts go back;
-        filled blocks and scored prompt rows are cached; the counters and the adaptive controller learn the drafts' outcome; prompt logprobs and
-        sampled tokens are appended; finished requests leave. Returns the
-        requests that emitted tokens."""
+        the counters and the adaptive controller learn the drafts' outcome; prompt logprobs and
+        sampled tokens are appended (and followed by the request's grammar); filled blocks and
+        scored prompt rows are cached; finished requests leave. Returns the requests that
+        emitted tokens."""
         emitted = []
         for s in sched.scheduled:
             req = s.request
