@@ -325,3 +325,22 @@ def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
     assert outs[0].error is not None and "structured output failed" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
     assert not eng.has_unfinished_requests() and eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+def test_min_tokens_with_a_grammar_is_refused_and_a_refused_token_fails_only_its_request(engines):
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=3, structured_outputs={"choice": ["a"]})
+    # A token the grammar refuses (here forced in by hand) leaves the engine running.
+    llm = engines[False]
+    eng = llm.engine
+    eng.add_request("bad", [1, 5, 6], SamplingParams(max_tokens=6, structured_outputs={"choice": ["dark blue"]}))
+    eng.add_request("good", [1, 5, 7], SamplingParams(max_tokens=6, temperature=0))
+    eng.step()
+    bad = next(r for r in eng.scheduler.running if r.request_id == "bad")
+    bad.grammar.advance([5])  # not a prefix of "dark blue"
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["bad"].error is not None and done["good"].error is None

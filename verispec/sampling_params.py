@@ -138,6 +138,9 @@ class SamplingParams:
                 raise ValueError(f"structured_outputs has an unknown field: {exc}") from None
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a dict or StructuredOutputsParams; got {self.structured_outputs!r}")
+        if self.structured_outputs is not None and self.min_tokens:
+            # A grammar that is complete allows only the end of the answer, which min_tokens bans.
+            raise ValueError(f"min_tokens must be 0 with structured_outputs; got {self.min_tokens}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be None or a non-empty string; got {self.cache_salt!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

@@ -67,12 +67,12 @@ class RequestGrammar:
         return mask
 
     def advance(self, tokens: list[int]) -> None:
-        """Follows the request's newly emitted tokens (sampled under this grammar's masks)."""
+        """Follows the request's newly emitted tokens (sampled under this grammar's masks). It
+        never raises: a token the grammar refuses leaves the matcher in its error state, and the
+        request's next mask fails it alone, inside the step's crash isolation."""
         for token in tokens:
-            if self.matcher.is_stopped():
-                return  # the grammar is complete: what follows is EOS, which ends the request
-            if not self.matcher.consume_token(token):
-                raise RuntimeError(f"token {token} is not allowed by the grammar: {self.matcher.get_error()}")
+            if self.matcher.is_stopped() or not self.matcher.consume_token(token):
+                return  # complete (what follows is EOS, which ends the request), or refused
 
 
 class GrammarCompiler:
