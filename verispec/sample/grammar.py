@@ -113,6 +113,11 @@ class GrammarCompiler:
             self._compiled.move_to_end(key)
         return RequestGrammar(template.deep_copy())
 
+    def warm(self) -> None:
+        """Builds llguidance's tokenizer now (about 1 s) instead of at the first grammar."""
+        if self._hf_tokenizer is not None:
+            self._tokenizer()
+
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
             if self._hf_tokenizer is None:

@@ -104,6 +104,9 @@ def build_app(config: ServerConfig) -> FastAPI:
             max_prompt_tokens=min(config.max_prompt_tokens or ready.max_model_len - 1, ready.max_model_len - 1),
         )
         metrics.update_engine(client.stats)
+        # llguidance's tokenizer takes about 1 s to build: in a thread now, not in the event loop
+        # at the first structured request.
+        app.state.grammar_warmup = asyncio.create_task(asyncio.to_thread(app.state.ctx.grammars.warm))
         logger.info("serving %s (engine core pid %d) on http://%s:%d", name, ready.pid, config.host, config.port)
         try:
             yield

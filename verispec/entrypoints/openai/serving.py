@@ -68,14 +68,18 @@ class ServingContext:
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: GrammarCompiler | None = None
 
-    def check_grammar(self, params: StructuredOutputsParams, param: str) -> None:
-        """Compiles the grammar here too, so a bad one is a 400 naming the field before anything
-        streams (the core compiles it again, from its own cache)."""
+    @property
+    def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
             eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, frozenset({eos} - {None}))
+        return self._grammars
+
+    def check_grammar(self, params: StructuredOutputsParams, param: str) -> None:
+        """Compiles the grammar here too, so a bad one is a 400 naming the field before anything
+        streams (the core compiles it again, from its own cache)."""
         try:
-            self._grammars.matcher(params)
+            self.grammars.matcher(params)
         except GrammarError as exc:
             raise RequestError(str(exc) if param == "structured_outputs" else f"{param} is invalid: {exc.detail}",
                                param) from None
