@@ -175,8 +175,10 @@ class PrefixCache:
         return blocks, ((first, LogprobsLists.cat(parts)) if parts else None)
 
     def admitted(self, req: Request, hit: PrefixHit) -> None:
+        """Sets the request's cache state on (re)admission: what a preemption left is stale."""
         req.num_computed_tokens = hit.num_tokens
         req.num_cached_blocks = len(hit.blocks)
+        req.pending_prompt_rows = None
         req.cache_epoch = self.epoch
         if not self.enabled:
             return

@@ -144,8 +144,6 @@ class Scheduler:
         self.pool.free(req.request_id)  # its cached blocks stay cached: it may hit them again
         req.draft_token_ids = []
         req.num_computed_tokens = 0
-        req.num_cached_blocks = 0
-        req.pending_prompt_rows = None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
