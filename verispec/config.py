@@ -187,6 +187,8 @@ class EngineConfig:
     # rows may take (0: cache KV only).
     enable_prefix_caching: bool = True
     prompt_logprobs_cache_bytes: int = 64 << 20
+    # Ranks the model is sharded over (verispec/distributed, docs/scaling.md); 1: one process.
+    tensor_parallel_size: int = 1
 
     @classmethod
     def create(
@@ -211,7 +213,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             choices = ", ".join(map(repr, QUANTIZATIONS))
             raise ValueError(f"quantization must be one of {choices} or None; got {self.quantization!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")

@@ -17,9 +17,11 @@ from verispec.models.attention import new_layer_cache
 from verispec.models.config import ModelConfig
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """A block's bytes across layers, k and v; num_kv_heads: a tensor-parallel rank's share."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * elem
 
 
 class BlockPool:

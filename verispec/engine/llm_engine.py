@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.config import EngineConfig
+from verispec.distributed.comm import WorkerDiedError
+from verispec.distributed.executor import TensorParallel, build_model, rank_threads
+from verispec.distributed.sharding import max_kv_heads_per_rank
 from verispec.engine.kv_cache import BlockPool, bytes_per_block
 from verispec.engine.output_processor import OutputProcessor
 from verispec.engine.prefix_cache import PrefixCache
@@ -18,7 +21,6 @@ from verispec.engine.runner import ModelRunner, StepResult
 from verispec.engine.scheduler import Scheduler, SchedulerOutput
 from verispec.models.default import default_model_path
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
-from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
 from verispec.outputs import RequestOutput
 from verispec.sample.grammar import GrammarCompiler
@@ -49,16 +51,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         model_path = config.model or default_model_path()
         self.model_path = model_path
         config.dtype, config.quantization = resolve_precision(model_path, config.dtype, config.quantization)
+        # Tensor parallelism: this process is rank 0; the workers start (or join) here.
+        self.tp = TensorParallel(config) if config.tensor_parallel_size > 1 else None
+        if config.num_threads or self.tp is not None:
+            torch.set_num_threads(rank_threads(config))
         model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
         self.model_config = model_cfg
-        self.model = LlamaModel(model_cfg, weights, dtype=config.dtype, device=config.device).eval()
+        self.model = build_model(model_cfg, weights, model_path, config.dtype, config.quantization,
+                                 config.device, self.tp)
         del weights
-        if compile_wanted(config.enforce_eager, config.device):
+        if self.tp is None and compile_wanted(config.enforce_eager, config.device):
             self.model.compiled = CompiledStack(self.model)
         self.tokenizer = load_tokenizer(model_path)
         limit = model_cfg.max_position_embeddings
@@ -114,7 +119,9 @@ class LLMEngine:
 
     def _num_blocks(self) -> int:
         c = self.config
-        per_block = bytes_per_block(self.model_config, c.block_size, c.dtype)
+        # Under tensor parallelism each rank holds its KV heads' share of every block.
+        heads = max_kv_heads_per_rank(self.model_config, self.tp.size) if self.tp is not None else None
+        per_block = bytes_per_block(self.model_config, c.block_size, c.dtype, heads)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_bytes is not None:
@@ -221,6 +228,10 @@ class LLMEngine:
             self.scheduler.finish(req)
             self._child_parent.pop(req.request_id, None)
 
+    def shutdown(self) -> None:
+        if self.tp is not None:
+            self.tp.shutdown()
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (and its prompt rows); running requests keep their blocks."""
         self.prefix_cache.reset()
@@ -255,6 +266,8 @@ class LLMEngine:
         """The step's results, and the requests that failed (id -> error) when the batch raised."""
         try:
             return self.runner.execute(sched), {}
+        except WorkerDiedError:  # the tensor-parallel group is gone: nothing to retry on
+            raise
         except Exception as exc:  # noqa: BLE001 - isolated below; one request must not sink the batch
             return self._execute_isolated(sched, exc)
 

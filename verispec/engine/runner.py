@@ -15,7 +15,7 @@ import torch
 
 from verispec.config import EngineConfig
 from verispec.device_copy import to_device
-from verispec.engine.kv_cache import BlockPool, KVCacheTensors
+from verispec.engine.kv_cache import BlockPool
 from verispec.engine.request import Request
 from verispec.engine.scheduler import ScheduledRequest, SchedulerOutput
 from verispec.models.attention import SeqSpan, build_attention_metadata
@@ -79,7 +79,7 @@ class ModelRunner:
         self.device = config.device
         self.pool = pool
         self.vocab_size = model.cfg.vocab_size
-        self.kv = KVCacheTensors(model.cfg, pool.num_blocks, pool.block_size, model.dtype, self.device)
+        self.kv = model.new_kv_cache(pool.num_blocks, pool.block_size)
         self.drafter = drafter  # a model-based drafter drafts inside the step, before the verify forward
         self.adaptive = adaptive  # AdaptiveController when speculative_config["adaptive_verification"]
         spec = config.speculative

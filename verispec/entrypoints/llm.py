@@ -40,6 +40,7 @@ class LLM:
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
         prompt_logprobs_cache_bytes: int = 64 << 20,
+        tensor_parallel_size: int = 1,
     ):
         config = EngineConfig.create(
             model=model,
@@ -60,9 +61,14 @@ class LLM:
             enforce_eager=enforce_eager,
             enable_prefix_caching=enable_prefix_caching,
             prompt_logprobs_cache_bytes=prompt_logprobs_cache_bytes,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -63,9 +63,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: dict, index: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, w: dict, index: int, dtype: torch.dtype, device: torch.device, parallel=None):
         super().__init__()
-        prefix, self.index = f"layers.{index}.", index
+        prefix, self.index, self.parallel = f"layers.{index}.", index, parallel
         get = lambda name: w.get(prefix + name)  # noqa: E731
         dense = lambda name: w[prefix + name].to(device=device, dtype=dtype)  # noqa: E731
         linear = lambda weight, bias=None: make_linear(weight, dtype, device, bias)  # noqa: E731
@@ -97,18 +97,28 @@ class DecoderLayer(nn.Module):
         # q and k rotate together: one set of elementwise ops per layer instead of two.
         qk = apply_rope(qk, cos, sin)
         attn = attention(qk[:, :nh], qk[:, nh:], v, self.index, self.scale)
-        x = self.o.forward_residual(attn.reshape(t, self.q_size), x)
+        x = self._row_parallel(self.o, attn.reshape(t, self.q_size), x)
         gate_up = self.gate_up(self.mlp_norm(x))
-        return self.down.forward_residual(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x)
+        return self._row_parallel(self.down, F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x)
+
+    def _row_parallel(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W_t; under tensor parallelism each rank holds some of W's input columns,
+        and the partial products are summed across ranks before the residual is added (once)."""
+        if self.parallel is None:
+            return linear.forward_residual(x, residual)
+        return residual + self.parallel.group.all_reduce(linear(x))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, weights: dict, num_layers: int | None = None,
-                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu", parallel=None):
         """weights: dense tensors and/or `QuantizedWeight`s; dense ones are cast to `dtype`
-        (default: the embedding's), quantized ones are packed on `device` for its kernels."""
+        (default: the embedding's), quantized ones are packed on `device` for its kernels.
+
+        parallel (a `verispec.distributed.sharding.ShardContext`): cfg and weights are this rank's
+        shard (verispec.distributed.sharding), and the forward runs the collectives."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.parallel = cfg, parallel
         n = cfg.num_layers if num_layers is None else num_layers
         missing = [k for k in ("embed", "norm") if k not in weights]
         if missing:
@@ -120,7 +130,7 @@ class LlamaModel(nn.Module):
         # The lookup needs dense rows; a quantized table is dequantized once (exact values).
         table = (embed.dequantize() if quantized_embed else embed).to(device=device, dtype=dtype)
         self.embed = nn.Parameter(table, requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, dtype, device) for i in range(n))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, dtype, device, parallel) for i in range(n))
         self.norm = RMSNorm(weights["norm"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
         tied = cfg.tie_word_embeddings or "lm_head" not in weights
         if tied and quantized_embed:
@@ -153,12 +163,31 @@ class LlamaModel(nn.Module):
             return self.stack(input_ids, positions, num_layers)
 
     def stack(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
             x = layer(x, cos, sin)
         return self.norm(x)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel is None:
+            return F.embedding(input_ids, self.embed)
+        # Vocabulary-parallel: each rank looks up the ids in its rows and zeros the others; the
+        # sum across ranks adds exact zeros, so every row is the one table's row, bit for bit.
+        local = input_ids - self.parallel.shard.vocab[0]
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill_(outside[:, None], 0)
+        return self.parallel.group.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """[R, vocab] logits. Under tensor parallelism each rank computes its vocabulary columns
+        and rank 0 gathers the whole row (see docs/scaling.md for why not a sharded softmax)."""
+        logits = self.lm_head(hidden)
+        return logits if self.parallel is None else self.parallel.group.gather_columns(logits, self.parallel.vocab_widths)
+
+    def new_kv_cache(self, num_blocks: int, block_size: int):
+        """Cache tensors for this model (this rank's KV heads under tensor parallelism)."""
+        from verispec.engine.kv_cache import KVCacheTensors
+
+        return KVCacheTensors(self.cfg, num_blocks, block_size, self.dtype, self.embed.device)

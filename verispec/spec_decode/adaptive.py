@@ -100,11 +100,10 @@ class CostModel:
         Runs at start-up on a one-block scratch KV cache of its own, so the engine's pool is never
         touched; the best of a few runs is kept for the small, noisy sizes.
         """
-        from verispec.engine.kv_cache import KVCacheTensors
         from verispec.models.attention import SeqSpan, build_attention_metadata
 
         grid = sorted({1 << i for i in range(max(1, max_tokens).bit_length())} | {max(1, max_tokens)})
-        kv = KVCacheTensors(model.cfg, 1, block_size, model.dtype, device)
+        kv = model.new_kv_cache(1, block_size)
         times = []
         with torch.inference_mode():
             for n in grid:

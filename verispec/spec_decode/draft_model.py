@@ -12,13 +12,13 @@ import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.engine.kv_cache import KVCacheTensors
-from verispec.models.llama import LlamaModel
+from verispec.distributed.executor import build_model
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
 from verispec.spec_decode.drafter import ModelDrafter
 
 
 class DraftModelDrafter(ModelDrafter):
-    def __init__(self, cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, engine_config):
+    def __init__(self, cfg: SpeculativeConfig, target, target_tokenizer, engine_config):
         super().__init__(cfg)
         # The target's tier; a "gguf" target with an HF draft runs the draft dense in that dtype.
         quantization = engine_config.quantization
@@ -33,15 +33,14 @@ class DraftModelDrafter(ModelDrafter):
         tokenizer = load_tokenizer(cfg.model)
         if tokenizer is not None and target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError("speculative_config.model uses a different tokenizer from the target's")
-        self.model = LlamaModel(model_cfg, weights, dtype=engine_config.dtype,
-                                device=engine_config.device).eval()
+        # Sharded like the target under tensor parallelism (the same ranks, its own shards).
+        self.model = build_model(model_cfg, weights, cfg.model, engine_config.dtype, quantization,
+                                 engine_config.device, getattr(target, "tp", None))
         self.kv: KVCacheTensors | None = None
 
     def model_and_cache(self, runner):
         if self.kv is None:
-            self.kv = KVCacheTensors(
-                self.model.cfg, runner.pool.num_blocks, runner.pool.block_size, self.model.dtype, runner.device
-            )
+            self.kv = self.model.new_kv_cache(runner.pool.num_blocks, runner.pool.block_size)
         return self.model, self.kv.layers
 
     @torch.inference_mode()
