@@ -54,13 +54,12 @@ def hf_logprobs(hf_model: Any, prompt: list[int], completion: list[int]) -> torc
 
 def verispec_logprobs(model: Any, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """The same rows from verispec's model: the prompt in one chunk, then one token per step."""
-    from verispec.engine.kv_cache import KVCacheTensors
     from verispec.models.attention import SeqSpan, build_attention_metadata
 
     total = len(prompt) + len(completion)
     num_blocks = -(-total // _BLOCK)
     device = model.embed.device
-    kv = KVCacheTensors(model.cfg, num_blocks, _BLOCK, model.dtype, device)
+    kv = model.new_kv_cache(num_blocks, _BLOCK)
     table = list(range(num_blocks))
     feeds = [prompt] + [[t] for t in completion[:-1]]
     rows, done = [], 0

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from verispec.config import EngineConfig
 from verispec.distributed.comm import Rendezvous, TPGroup, WorkerDiedError
-from verispec.distributed.sharding import ShardContext, shard_checkpoint
+from verispec.distributed.sharding import ShardContext, make_shard, shard_checkpoint
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaModel
@@ -112,8 +112,10 @@ def build_model(cfg: ModelConfig, weights: dict, path, dtype, quantization, devi
 class TensorParallel:
     """Rank 0's side of the group: starts or joins the workers and sends them ops."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, cfg: ModelConfig):
         size = config.tensor_parallel_size
+        for rank in range(size):  # a model that cannot split says so before any process starts
+            make_shard(cfg, size, rank)
         self.procs: list[mp.Process] = []
         rv = Rendezvous.from_env()
         if rv is not None and rv.size > 1:  # torchrun / env:// across machines: the workers exist
@@ -140,10 +142,14 @@ class TensorParallel:
     def dead_workers(self) -> list[str]:
         return [f"{p.name} (exit code {p.exitcode})" for p in self.procs if p.exitcode is not None]
 
-    def send(self, op) -> None:
+    def check(self) -> None:
+        """Raises WorkerDiedError if a worker this process started has exited."""
         dead = self.dead_workers()
         if dead:
             raise WorkerDiedError(f"tensor-parallel worker died: {', '.join(dead)}")
+
+    def send(self, op) -> None:
+        self.check()
         try:
             self.group.send_op(op)
         except RuntimeError as exc:

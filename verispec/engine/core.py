@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from verispec.config import EngineConfig
+from verispec.distributed.comm import WorkerDiedError
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady, EngineStats,
     LogprobRow, RequestDelta, ResetPrefixCache, Shutdown, split_encodable,
@@ -220,6 +221,7 @@ class EngineCore:
             if not busy and not self.in_sock.poll(_IDLE_POLL_MS):
                 if os.getppid() != self._parent_pid:  # the frontend is gone: so is our purpose
                     return
+                self.engine.check_workers()  # a dead tensor-parallel worker stops the core while idle too
                 continue
             while running and self.in_sock.poll(0):
                 refused, running = self.receive(self.in_sock.recv())
@@ -234,6 +236,8 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         try:
             outputs = self.engine.step()
+        except WorkerDiedError:  # fatal: the core exits and the frontend answers 503 from then on
+            raise
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the server
             logger.error("engine step failed:\n%s", traceback.format_exc())
             return self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")

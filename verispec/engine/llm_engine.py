@@ -54,15 +54,23 @@ class LLMEngine:
         model_path = config.model or default_model_path()
         self.model_path = model_path
         config.dtype, config.quantization = resolve_precision(model_path, config.dtype, config.quantization)
-        # Tensor parallelism: this process is rank 0; the workers start (or join) here.
-        self.tp = TensorParallel(config) if config.tensor_parallel_size > 1 else None
-        if config.num_threads or self.tp is not None:
-            torch.set_num_threads(rank_threads(config))
         model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
         self.model_config = model_cfg
-        self.model = build_model(model_cfg, weights, model_path, config.dtype, config.quantization,
-                                 config.device, self.tp)
-        del weights
+        # Tensor parallelism: this process is rank 0; the workers start (or join) here.
+        self.tp = TensorParallel(config, model_cfg) if config.tensor_parallel_size > 1 else None
+        if config.num_threads or self.tp is not None:
+            torch.set_num_threads(rank_threads(config))
+        try:
+            self.model = build_model(model_cfg, weights, model_path, config.dtype, config.quantization,
+                                     config.device, self.tp)
+            del weights
+            self._build(config, model_path, model_cfg)
+        except BaseException:
+            self.shutdown()  # the workers must not outlive an engine that failed to start
+            raise
+
+    def _build(self, config: EngineConfig, model_path, model_cfg) -> None:
+        """Everything around the model: tokenizer, pool, prefix cache, drafter, scheduler, runner."""
         if self.tp is None and compile_wanted(config.enforce_eager, config.device):
             self.model.compiled = CompiledStack(self.model)
         self.tokenizer = load_tokenizer(model_path)
@@ -227,6 +235,11 @@ class LLMEngine:
                 req.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.finish(req)
             self._child_parent.pop(req.request_id, None)
+
+    def check_workers(self) -> None:
+        """Raises WorkerDiedError if a tensor-parallel worker this engine started has exited."""
+        if self.tp is not None:
+            self.tp.check()
 
     def shutdown(self) -> None:
         if self.tp is not None:
