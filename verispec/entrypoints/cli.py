@@ -66,6 +66,9 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache pool size in bytes")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine core")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core replicas behind the server, each a whole engine with its own KV cache "
+                        "(default: 1); each core takes its share of the CPUs unless --num-threads is set")
     p.add_argument("--prompt-logprobs-cache-bytes", type=int, default=64 << 20,
                    help="memory for prompt-logprob rows cached beside prefix blocks (0: KV only)")
     p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
@@ -150,7 +153,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from verispec.config import EngineConfig
+    from verispec.engine.dp_client import check_data_parallel_size
     from verispec.entrypoints.openai.api_server import ServerConfig, run_server
+
+    check_data_parallel_size(args.data_parallel_size)  # before any model is loaded
 
     engine = EngineConfig.create(
         model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
@@ -169,7 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine=engine, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_n=args.max_n,
         max_pending_requests=args.max_pending_requests, max_request_bytes=args.max_request_bytes,
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, data_parallel_size=args.data_parallel_size,
     )
     run_server(config, log_level=args.log_level)
     return 0

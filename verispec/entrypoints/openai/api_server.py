@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an engine-core process.
 
 `verispec serve` builds a `ServerConfig`, and `build_app` turns it into a FastAPI app whose lifespan
-starts the core process and loads the tokenizer. Every error leaves in the OpenAI shape
+starts the core process (one per data-parallel replica) and loads the tokenizer. Every error leaves in the OpenAI shape
 `{"error": {"message", "type", "param", "code"}}`; invalid input is a 400 naming the field.
 """
 
@@ -21,12 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.config import EngineConfig
-from verispec.engine.core_client import AsyncEngineClient
+from verispec.engine.dp_client import DPEngineClient
 from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
 from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList, TokenizeRequest,
+    DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList, ReplicaHealth, TokenizeRequest,
     TokenizeResponse, TokenizerInfoResponse,
 )
 from verispec.entrypoints.openai.serving import RequestError, ServingContext, until_disconnect
@@ -49,6 +49,8 @@ class ServerConfig:
     max_pending_requests: int = 256
     max_request_bytes: int = 8 << 20
     max_prompt_tokens: int | None = None  # None: the context length less one generated token
+    # Engine-core replicas behind this server, each a whole engine (engine/dp_client.py).
+    data_parallel_size: int = 1
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -83,8 +85,10 @@ def build_app(config: ServerConfig) -> FastAPI:
         from verispec.models.default import default_model_path
         from verispec.models.loader import load_tokenizer
 
-        client = AsyncEngineClient(config.engine)
+        client = DPEngineClient(config.engine, config.data_parallel_size)
         client.add_stats_listener(metrics.update_engine)
+        if client.data_parallel_size > 1:
+            metrics.replicas = client.replica_info
         model_path = config.engine.model or default_model_path()
         tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path))
         try:
@@ -107,7 +111,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         # llguidance's tokenizer takes about 1 s to build: in a thread now, not in the event loop
         # at the first structured request.
         app.state.grammar_warmup = asyncio.create_task(asyncio.to_thread(app.state.ctx.grammars.warm))
-        logger.info("serving %s (engine core pid %d) on http://%s:%d", name, ready.pid, config.host, config.port)
+        pids = ", ".join(str(r.ready.pid) for r in client.replicas)
+        logger.info("serving %s (engine core pid %s) on http://%s:%d", name, pids, config.host, config.port)
         try:
             yield
         finally:
@@ -191,15 +196,31 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health(request: Request):
         client = _ctx(request).client
+        replicas = None
+        if client.data_parallel_size > 1:
+            replicas = [ReplicaHealth(dp_rank=r.dp_rank, engine_core_pid=r.pid, alive=r.alive,
+                                      num_requests_in_flight=r.in_flight, num_requests_routed=r.routed,
+                                      num_prefix_hits=r.prefix_hits, detail=r.dead_reason or None)
+                        for r in client.replica_info()]
         if client.dead:
             metrics.core_dead = True
-            body = HealthResponse(status="unhealthy", engine_core_pid=client.core_pid, detail=client.dead_reason)
+            body = HealthResponse(status="unhealthy", engine_core_pid=client.core_pid, detail=client.dead_reason,
+                                  replicas=replicas)
             return JSONResponse(body.model_dump(), status_code=503)
-        return HealthResponse(status="ok", engine_core_pid=client.core_pid)
+        if replicas and not all(r.alive for r in replicas):
+            # Still a 200: the live replicas serve every request; the detail names the dead ones.
+            down = [r.dp_rank for r in replicas if not r.alive]
+            detail = f"{len(down)} of {len(replicas)} data-parallel replicas down: {client.dead_reason}"
+            return HealthResponse(status="degraded", engine_core_pid=client.core_pid, detail=detail,
+                                  replicas=replicas)
+        return HealthResponse(status="ok", engine_core_pid=client.core_pid, replicas=replicas)
 
     @app.get("/metrics", responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics(request: Request):
-        metrics.core_dead = _ctx(request).client.dead
+        client = _ctx(request).client
+        metrics.core_dead = client.dead
+        # A replica that died sent no last message: its gauges leave the sum at the scrape.
+        metrics.update_engine(client.stats)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache", dependencies=[Depends(check_api_key)],

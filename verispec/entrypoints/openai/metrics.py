@@ -3,6 +3,8 @@
 Latency histograms and request counters are measured in the frontend. Engine state (KV cache use,
 queue lengths, preemptions, speculative decoding counters) is whatever the core reported last: the
 core sends its stats with every output message, and a custom collector exposes that snapshot.
+With data parallelism the snapshot is the replicas' sum (dp_client.sum_stats: counters over all
+replicas, gauges over live ones), and `verispec:dp_replica_*` series carry each replica's routing.
 """
 
 from __future__ import annotations
@@ -64,6 +66,25 @@ class _EngineCollector:
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens)
         yield counter_by_index("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.",
                                "position", s.accepted_per_position)
+        replicas = self.metrics.replicas() if self.metrics.replicas is not None else []
+        if replicas:  # data parallelism: the frontend's view of each replica
+            alive = GaugeMetricFamily("verispec:dp_replica_alive", "1 while the replica's engine core runs.",
+                                      labels=["model_name", "dp_rank"])
+            in_flight = GaugeMetricFamily("verispec:dp_replica_num_requests_in_flight",
+                                          "Requests routed to the replica and not finished.",
+                                          labels=["model_name", "dp_rank"])
+            routed = CounterMetricFamily("verispec:dp_replica_requests_routed", "Requests routed to the replica.",
+                                         labels=["model_name", "dp_rank"])
+            hits = CounterMetricFamily("verispec:dp_replica_prefix_hits",
+                                       "Requests routed where a block of their prompt was remembered.",
+                                       labels=["model_name", "dp_rank"])
+            for r in replicas:
+                rank = str(r.dp_rank)
+                alive.add_metric([model, rank], 1.0 if r.alive else 0.0)
+                in_flight.add_metric([model, rank], r.in_flight)
+                routed.add_metric([model, rank], r.routed)
+                hits.add_metric([model, rank], r.prefix_hits)
+            yield from (alive, in_flight, routed, hits)
         if s.adaptive_capacity_histogram:  # adaptive verification is on
             yield counter("spec_decode_adaptive_budget_tokens", "Draft tokens the host budgeted (sum of B).",
                           s.adaptive_budget_tokens)
@@ -80,6 +101,8 @@ class ServerMetrics:
         self.model_name = model_name
         self.engine_stats = EngineStats()
         self.core_dead = False
+        # With data parallelism: () -> per-replica `ReplicaInfo`s (engine/dp_client.py).
+        self.replicas = None
         # A registry per server, not the global one: tests build several apps in one process.
         self.registry = CollectorRegistry()
         labels = ["model_name"]

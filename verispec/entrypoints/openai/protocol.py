@@ -328,7 +328,21 @@ class TokenizerInfoResponse(_Model):
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
+class ReplicaHealth(_Model):
+    """One data-parallel replica (engine core) behind the server."""
+
+    dp_rank: int
+    engine_core_pid: int | None = None
+    alive: bool
+    num_requests_in_flight: int = Field(description="routed to this replica and not finished")
+    num_requests_routed: int = Field(description="requests routed to this replica since start")
+    num_prefix_hits: int = Field(description="of which: routed where a block of the prompt was remembered")
+    detail: str | None = None
+
+
 class HealthResponse(_Model):
-    status: Literal["ok", "unhealthy"]
+    # "degraded": some data-parallel replicas are down, the others serve (still a 200).
+    status: Literal["ok", "degraded", "unhealthy"]
     engine_core_pid: int | None = None
     detail: str | None = None
+    replicas: list[ReplicaHealth] | None = None  # with --data-parallel-size above 1

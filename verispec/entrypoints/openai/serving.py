@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from verispec.engine.core_client import AsyncEngineClient, EngineDeadError
+from verispec.engine.core_client import EngineDeadError
 from verispec.engine.core_protocol import LogprobRow, RequestDelta
+from verispec.engine.dp_client import DPEngineClient
 from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
 from verispec.sample.grammar import GrammarCompiler, GrammarError
@@ -55,7 +56,7 @@ def json_float(x: float) -> float:
 
 @dataclass(slots=True)
 class ServingContext:
-    client: AsyncEngineClient
+    client: DPEngineClient
     tokenizer: object
     model_name: str
     model_aliases: frozenset[str]
