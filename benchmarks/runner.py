@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from benchmarks.adaptive import AdaptiveRow, run_adaptive, write_adaptive
 from benchmarks.peers import (
@@ -45,6 +45,7 @@ from benchmarks.scenarios import (
     ADAPTIVE_SCENARIO,
     ALL_SCENARIOS,
     PREFIX_SCENARIO,
+    SCALING_SCENARIO,
     SCENARIOS,
     STRUCTURED_SCENARIO,
     SPEC_SCENARIO,
@@ -55,6 +56,7 @@ from benchmarks.scenarios import (
     max_abs_diff,
 )
 from benchmarks.prefix import run_prefix, write_prefix
+from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.spec import SpecRow, run_sweep, write_spec
 from benchmarks.structured import run_structured, write_structured
 from benchmarks.targets import evaluate, format_targets
@@ -286,6 +288,20 @@ def _logprobs_share(results: list[Result]) -> float | None:
     return None
 
 
+
+def _optional(cfg: BenchConfig, state: RunState, scenario: str, what: str, fn: Callable[[], Any]) -> Any:
+    """A verispec-only scenario's results, or None when it was not asked for or failed (the
+    failure is recorded; the other tables stay valid without it)."""
+    if scenario not in cfg.scenarios:
+        return None
+    log(f"{what} ...")
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        state.errors[scenario] = f"{scenario} benchmark failed: {exc!r}"
+        log(f"{scenario} benchmark failed:\n{traceback.format_exc()}")
+        return None
+
 def run(args: argparse.Namespace) -> int:
     # Never reach for the Hub: every model file here is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -323,22 +339,13 @@ def run(args: argparse.Namespace) -> int:
     if ADAPTIVE_SCENARIO in cfg.scenarios and not prompts:
         log("adaptive verification sweep (verispec, by batch size) ...")
         adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log, queue=cfg.adaptive_queue)
-    prefix = None
-    if PREFIX_SCENARIO in cfg.scenarios:
-        log("prefix caching: cache on against cache off (verispec, two HTTP servers, then in process) ...")
-        try:
-            prefix = run_prefix(tokenizer, cfg.quick, cfg.max_tokens, cfg.runs, cfg.out, log)
-        except Exception as exc:  # noqa: BLE001 - the other tables stay valid without it
-            state.errors["prefix"] = f"prefix caching benchmark failed: {exc!r}"
-            log(f"prefix caching benchmark failed:\n{traceback.format_exc()}")
-    structured = None
-    if STRUCTURED_SCENARIO in cfg.scenarios:
-        log("structured output: a grammar against none (verispec, in process) ...")
-        try:
-            structured = run_structured(tokenizer, cfg.quick, cfg.max_tokens, cfg.runs, log)
-        except Exception as exc:  # noqa: BLE001 - the other tables stay valid without it
-            state.errors["structured"] = f"structured output benchmark failed: {exc!r}"
-            log(f"structured output benchmark failed:\n{traceback.format_exc()}")
+    prefix = _optional(cfg, state, PREFIX_SCENARIO, "prefix caching: cache on against cache off (verispec, two "
+                       "HTTP servers, then in process)", lambda: run_prefix(tokenizer, cfg.quick, cfg.max_tokens,
+                                                                             cfg.runs, cfg.out, log))
+    structured = _optional(cfg, state, STRUCTURED_SCENARIO, "structured output: a grammar against none (verispec, "
+                           "in process)", lambda: run_structured(tokenizer, cfg.quick, cfg.max_tokens, cfg.runs, log))
+    scaling = _optional(cfg, state, SCALING_SCENARIO, "tensor parallelism: two ranks against one on this machine "
+                        "(verispec, in process)", lambda: run_scaling(tokenizer, cfg.quick, log))
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -351,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
         "scenarios": {s: SCENARIOS[s].description() if s in SCENARIOS else
                       "adaptive verification sweep" if s == ADAPTIVE_SCENARIO else
                       "prefix caching, cache on against off" if s == PREFIX_SCENARIO else
-                      "structured output, a grammar against none" if s == STRUCTURED_SCENARIO else "speculative sweep"
+                      "structured output, a grammar against none" if s == STRUCTURED_SCENARIO else
+                      "tensor parallelism, two ranks against one" if s == SCALING_SCENARIO else "speculative sweep"
                       for s in cfg.scenarios},
         "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
@@ -396,6 +404,9 @@ def run(args: argparse.Namespace) -> int:
     if structured is not None:
         print()
         print(write_structured(cfg.out, machine, structured))
+    if scaling is not None:
+        print()
+        print(write_scaling(cfg.out, machine, scaling))
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
            "fidelity": {r.tier: r.to_json() for r in state.fidelity}}

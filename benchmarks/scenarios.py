@@ -54,7 +54,9 @@ ADAPTIVE_SCENARIO = "adaptive"
 PREFIX_SCENARIO = "prefix"
 # Structured output's cost, grammar against none (verispec only): see benchmarks/structured.py.
 STRUCTURED_SCENARIO = "structured"
-ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO)
+# Tensor parallelism's cost on one machine, two ranks against one (verispec only): see benchmarks/scaling.py.
+SCALING_SCENARIO = "tp"
+ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO)
 
 
 def headlines() -> dict[str, str]:

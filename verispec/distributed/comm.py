@@ -59,8 +59,9 @@ class TPGroup:
             self.device_group = dist.ProcessGroupGloo(dist.PrefixStore("device", store), rv.rank, rv.size,
                                                       DEVICE_TIMEOUT)
         self._store = store  # the groups talk through it; it must outlive them
-        self.bytes_reduced = 0  # all-reduce payload since start (the scaling figures)
-        self.bytes_gathered = 0
+        # Payload bytes since start, for the scaling figures: all-reduced, gathered (each rank's
+        # block), broadcast (rank 0's ids and hidden rows) and op messages.
+        self.bytes_reduced = self.bytes_gathered = self.bytes_broadcast = self.bytes_control = 0
 
     # ---------------------------------------------------------------- model collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +71,7 @@ class TPGroup:
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's tensor into every rank's `x` (same shape and dtype)."""
+        self.bytes_broadcast += x.numel() * x.element_size()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.device_group.broadcast([x], opts).wait()
@@ -95,6 +97,7 @@ class TPGroup:
     def send_op(self, op) -> None:
         """Rank 0: one pickled message to every worker (its length, then its bytes)."""
         payload = torch.frombuffer(bytearray(pickle.dumps(op)), dtype=torch.uint8)
+        self.bytes_control += payload.numel() + 8
         self._bcast_control(torch.tensor([payload.numel()], dtype=torch.long))
         self._bcast_control(payload)
 
