@@ -174,7 +174,7 @@ def test_a_dead_worker_fails_the_engine_without_a_hang(tiny_llama):
         assert all(o.finished for o in llm.generate(prompts, params, use_tqdm=False))
         worker = llm.engine.tp.procs[0]
         worker.kill()
-        worker.join(timeout=10)
+        worker.wait(timeout=10)
         start = time.perf_counter()
         with pytest.raises(WorkerDiedError, match="tensor-parallel worker died"):
             llm.generate(prompts, params, use_tqdm=False)
@@ -190,3 +190,66 @@ def test_bad_sizes_name_the_field(tiny_llama):
         LLM(tiny_llama, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
         LLM(tiny_llama, dtype="float32", enforce_eager=True, tensor_parallel_size=3)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+@pytest.mark.slow
+def test_server_answers_503_once_a_worker_dies():
+    """`verispec serve -tp 2`: the engine core starts its worker; killing it fails the request in
+    flight with 503, stops the core, and /health turns 503 with the reason."""
+    import os
+    import signal
+    import threading
+
+    from server_utils import ServerProcess
+
+    srv = ServerProcess("--dtype", "float32", "--enforce-eager", "--tensor-parallel-size", "2")
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8,
+                "temperature": 0}
+        ok = srv.post("/v1/completions", body)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+        core = srv.get("/health").json()["engine_core_pid"]
+        (worker,) = _children(core)
+        answers = []
+        long = dict(body, max_tokens=4000, ignore_eos=True)
+        thread = threading.Thread(target=lambda: answers.append(srv.post("/v1/completions", long, timeout=60)))
+        thread.start()
+        time.sleep(1.0)
+        os.kill(worker, signal.SIGKILL)
+        thread.join(timeout=30)
+        assert answers and answers[0].status_code == 503, answers and answers[0].text
+        deadline = time.monotonic() + 10
+        while (health := srv.get("/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert health.status_code == 503 and "tensor-parallel worker died" in health.json()["detail"]
+        assert srv.post("/v1/completions", body).status_code == 503
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_torchrun_env_rendezvous_gives_one_ranks_output(smollm2_llm):
+    """Every rank runs the same command under torchrun (the multi-machine launch, here with two
+    ranks on this machine): rank 0 prints what one rank would."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from server_utils import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "verispec.entrypoints.cli", "generate", "The capital of France is", "--json", "--max-tokens", "12",
+           "--dtype", "float32", "--enforce-eager", "--tensor-parallel-size", "2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout[run.stdout.index("{"):])["outputs"][0]["token_ids"]
+    want = smollm2_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12),
+                                use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want

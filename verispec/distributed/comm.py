@@ -50,7 +50,9 @@ class Rendezvous:
 class TPGroup:
     def __init__(self, rv: Rendezvous, device: torch.device):
         self.rank, self.size, self.device = rv.rank, rv.size, device
-        store = dist.TCPStore(rv.host, rv.port, rv.size, is_master=rv.rank == 0,
+        # Under torchrun its agent already hosts the store at MASTER_ADDR:MASTER_PORT: join it.
+        hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(rv.host, rv.port, rv.size, is_master=rv.rank == 0 and not hosted,
                               timeout=datetime.timedelta(minutes=5))
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rv.rank, rv.size, CONTROL_TIMEOUT)
         if device.type == "cuda":

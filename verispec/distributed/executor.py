@@ -17,19 +17,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import traceback
-from dataclasses import dataclass, replace
+import subprocess
+import sys
+from dataclasses import dataclass
 
 import torch
-import torch.multiprocessing as mp
 
 from verispec.config import EngineConfig
 from verispec.distributed.comm import Rendezvous, TPGroup, WorkerDiedError
 from verispec.distributed.sharding import ShardContext, make_shard, shard_checkpoint
-from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaModel
-from verispec.models.loader import load_checkpoint
 
 logger = logging.getLogger("verispec.tp")
 
@@ -85,8 +83,13 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def rank_threads(config: EngineConfig) -> int:
-    """Ranks on one machine share its cores."""
-    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    """Threads per rank: --num-threads, else torch's own count under torchrun (which sets
+    OMP_NUM_THREADS per rank), else the ranks this engine starts share the machine's cores."""
+    if config.num_threads:
+        return config.num_threads
+    if Rendezvous.from_env() is not None:
+        return torch.get_num_threads()
+    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
 def _free_port() -> int:
@@ -95,7 +98,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load_shard(group: TPGroup, cfg: ModelConfig, weights: dict, dtype, device) -> LlamaModel:
+def load_shard(group: TPGroup, cfg: ModelConfig, weights: dict, dtype, device) -> LlamaModel:
     ctx = ShardContext.create(group, cfg)
     local_cfg, local_weights = shard_checkpoint(cfg, weights, ctx.shard)
     return LlamaModel(local_cfg, local_weights, dtype=dtype, device=device, parallel=ctx).eval()
@@ -116,7 +119,7 @@ class TensorParallel:
         size = config.tensor_parallel_size
         for rank in range(size):  # a model that cannot split says so before any process starts
             make_shard(cfg, size, rank)
-        self.procs: list[mp.Process] = []
+        self.procs: list[subprocess.Popen] = []
         rv = Rendezvous.from_env()
         if rv is not None and rv.size > 1:  # torchrun / env:// across machines: the workers exist
             if rv.size != size or rv.rank != 0:
@@ -124,12 +127,14 @@ class TensorParallel:
                                  f"WORLD_SIZE={rv.size}; launch one rank per device, WORLD_SIZE = the size")
         else:
             rv = Rendezvous("127.0.0.1", _free_port(), 0, size)
-            ctx = mp.get_context("spawn")  # a fork of a process that ran torch threads is unsafe
+            # Fresh interpreters, not multiprocessing children: the server's engine core is itself a
+            # daemon process (which multiprocessing forbids to have children), and a fork of a
+            # process that ran torch threads is unsafe.
+            threads = str(rank_threads(config))
             for r in range(1, size):
-                proc = ctx.Process(target=run_worker, args=(replace(rv, rank=r), config),
-                                   name=f"verispec-tp{r}", daemon=True)
-                proc.start()
-                self.procs.append(proc)
+                cmd = [sys.executable, "-m", "verispec.distributed.worker", "--host", rv.host, "--port", str(rv.port),
+                       "--rank", str(r), "--size", str(size), "--device", str(config.device), "--threads", threads]
+                self.procs.append(subprocess.Popen(cmd))
         self.device = rank_device(config.device, 0)
         self.group = TPGroup(rv, self.device)
         self._num_models = 0
@@ -140,7 +145,7 @@ class TensorParallel:
         return self.group.size
 
     def dead_workers(self) -> list[str]:
-        return [f"{p.name} (exit code {p.exitcode})" for p in self.procs if p.exitcode is not None]
+        return [f"rank {r} (exit code {p.returncode})" for r, p in enumerate(self.procs, 1) if p.poll() is not None]
 
     def check(self) -> None:
         """Raises WorkerDiedError if a worker this process started has exited."""
@@ -161,14 +166,16 @@ class TensorParallel:
         try:
             return fn(*args)
         except Exception as exc:
-            dead = ", ".join(self.dead_workers()) or "no worker exited"
-            raise ParallelGroupError(f"tensor-parallel op {type(op).__name__} failed ({dead}): {exc}") from exc
+            if dead := self.dead_workers():
+                raise ParallelGroupError(f"tensor-parallel worker died: {', '.join(dead)} "
+                                         f"(during {type(op).__name__})") from exc
+            raise ParallelGroupError(f"tensor-parallel op {type(op).__name__} failed: {exc}") from exc
 
     def load_model(self, cfg: ModelConfig, weights: dict, path: str, dtype, quantization) -> "ShardedModel":
         model_id = self._num_models
         self._num_models += 1
         self.send(LoadModel(model_id, str(path), dtype, quantization))
-        local = _load_shard(self.group, cfg, weights, dtype, self.device)
+        local = load_shard(self.group, cfg, weights, dtype, self.device)
         failed = self.group.all_reduce(torch.zeros(1, device=self.device))  # each worker adds 1 on failure
         if failed.item():
             raise RuntimeError(f"{int(failed.item())} tensor-parallel worker(s) failed to load {path} (see their log)")
@@ -190,9 +197,11 @@ class TensorParallel:
         except RuntimeError:
             pass
         for p in self.procs:
-            p.join(timeout=10)
-            if p.exitcode is None:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in a collective rank 0 left: no clean exit
                 p.kill()
+                p.wait()
         self.procs = []
 
 
@@ -233,45 +242,3 @@ class ShardedModel:
 
     def new_kv_cache(self, num_blocks: int, block_size: int):
         return self.tp.new_cache(self.model_id, self.local, num_blocks, block_size)
-
-
-def run_worker(rv: Rendezvous, config: EngineConfig) -> None:
-    """A worker rank: its shards, its caches, and the ops rank 0 sends, until Shutdown or until
-    rank 0 is gone (the control group's connection closes)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rv.rank} %(levelname)s %(message)s")
-    torch.set_num_threads(rank_threads(config))
-    device = rank_device(config.device, rv.rank)
-    group = TPGroup(rv, device)
-    models: dict[int, LlamaModel] = {}
-    caches: dict[int, list] = {}
-    with torch.inference_mode():
-        while True:
-            try:
-                op = group.recv_op()
-            except RuntimeError:
-                logger.info("rank 0 is gone; worker %d exits", rv.rank)
-                return
-            if isinstance(op, Shutdown):
-                return
-            if isinstance(op, LoadModel):
-                weights = None
-                try:
-                    cfg, weights = load_checkpoint(op.path, op.dtype, op.quantization)
-                    models[op.model_id] = _load_shard(group, cfg, weights, op.dtype, device)
-                    failed = 0.0
-                except Exception:  # noqa: BLE001 - reported to rank 0, which raises
-                    logger.error("loading %s failed:\n%s", op.path, traceback.format_exc())
-                    failed = 1.0
-                del weights
-                group.all_reduce(torch.full((1,), failed, device=device))
-            elif isinstance(op, NewCache):
-                caches[op.cache_id] = models[op.model_id].new_kv_cache(op.num_blocks, op.block_size).layers
-            elif isinstance(op, Forward):
-                model = models[op.model_id]
-                ids_pos = group.broadcast(torch.empty(2, op.num_tokens, dtype=torch.long, device=device))
-                meta = build_attention_metadata([SeqSpan(*s) for s in op.spans], op.block_size, device, model.dtype)
-                model(ids_pos[0], ids_pos[1], meta, caches[op.cache_id], op.num_layers)
-            elif isinstance(op, ComputeLogits):
-                model = models[op.model_id]
-                hidden = torch.empty(op.num_rows, model.cfg.hidden_size, dtype=op.dtype, device=device)
-                model.compute_logits(group.broadcast(hidden))

@@ -280,6 +280,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     out_sock.send(encoder.encode(ready))
     try:
         EngineCore(engine, in_sock, out_sock).run()
+    except WorkerDiedError as exc:  # the frontend says why before it sees the process exit
+        logger.error("engine core stops: %s", exc)
+        out_sock.send(encoder.encode(CoreFailed(str(exc))))
+        raise
     finally:
         in_sock.close(linger=0)
         out_sock.close(linger=500)

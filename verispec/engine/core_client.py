@@ -47,6 +47,7 @@ class AsyncEngineClient:
         self.ready: CoreReady | None = None
         self.dead = False
         self.dead_reason = ""
+        self._failure = ""  # why the core said it stops, if it did
         self._queues: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
         self._proc: multiprocessing.process.BaseProcess | None = None
@@ -200,6 +201,9 @@ class AsyncEngineClient:
             except msgspec.MsgspecError as exc:
                 self._fail_undecodable(data, exc)
                 continue
+            if isinstance(msg, CoreFailed):  # the core is stopping; the watchdog reports this reason
+                self._failure = msg.message
+                continue
             if not isinstance(msg, CoreOutputs):
                 continue
             for delta in msg.deltas:
@@ -230,7 +234,7 @@ class AsyncEngineClient:
         while self._proc.is_alive():
             await asyncio.sleep(_WATCHDOG_S)
         self.dead = True
-        self.dead_reason = f"the engine core process exited (code {self._proc.exitcode})"
+        self.dead_reason = self._failure or f"the engine core process exited (code {self._proc.exitcode})"
         logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._queues))
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(self.dead_reason))

@@ -114,7 +114,8 @@ class CoreReady(msgspec.Struct, tag="ready"):
 
 
 class CoreFailed(msgspec.Struct, tag="failed"):
-    """The core could not start (bad model path, out of memory ...)."""
+    """The core could not start (bad model path, out of memory ...), or must stop (a
+    tensor-parallel worker died): the frontend reports the message."""
 
     message: str
 

@@ -22,6 +22,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="do not compile the layer stack (faster start-up, slower steps)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model is sharded over (default: 1). On one machine the engine starts them; "
+                        "across machines launch every rank with torchrun (docs/scaling.md)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV (and prompt-logprob rows) of shared prompt prefixes (default: on)")
     p.add_argument("--logprobs-mode", default="raw_logprobs",
@@ -128,11 +131,15 @@ def _generate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
         speculative_config=_speculative_config(args), enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
-    else:
-        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    try:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+        else:
+            out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
     if args.json:
         print(json.dumps(out.to_dict(), indent=2, default=float))
         return 0
@@ -169,6 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
         speculative_config=_speculative_config(args),
         enable_prefix_caching=args.enable_prefix_caching,
         prompt_logprobs_cache_bytes=args.prompt_logprobs_cache_bytes,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine.validate()
     config = ServerConfig(
@@ -181,10 +189,38 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _joined_as_worker(args: argparse.Namespace) -> bool:
+    """Under torchrun every rank runs the same command; ranks other than 0 serve rank 0's model
+    calls until it stops, and return True."""
+    from verispec.config import EngineConfig
+    from verispec.distributed.comm import Rendezvous
+
+    rv = Rendezvous.from_env()
+    if args.tensor_parallel_size < 2 or rv is None or rv.size < 2:
+        return False
+    if getattr(args, "data_parallel_size", 1) > 1:
+        raise ValueError("--data-parallel-size > 1 cannot run under torchrun: each replica starts its own "
+                         "tensor-parallel ranks on one machine")
+    if rv.size != args.tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} but torchrun started "
+                         f"WORLD_SIZE={rv.size} ranks; they must be equal")
+    if rv.rank == 0:
+        return False
+    from verispec.distributed.executor import rank_threads
+    from verispec.distributed.worker import run_worker
+
+    config = EngineConfig.create(device=args.device, num_threads=getattr(args, "num_threads", None),
+                                 tensor_parallel_size=args.tensor_parallel_size)
+    run_worker(rv, config.device, rank_threads(config))
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
+        if _joined_as_worker(args):
+            return 0
         if args.command == "generate":
             return _generate(args)
         if args.command == "serve":
@@ -195,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             return run(args, dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
                                   device=args.device, enforce_eager=args.enforce_eager,
                                   max_model_len=args.max_model_len, speculative_config=_speculative_config(args),
-                                  enable_prefix_caching=args.enable_prefix_caching))
+                                  enable_prefix_caching=args.enable_prefix_caching,
+                                  tensor_parallel_size=args.tensor_parallel_size))
     except ValueError as exc:  # bad options: one clear line, no traceback
         print(f"verispec: error: {exc}", file=sys.stderr)
         return 2

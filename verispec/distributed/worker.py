@@ -1,0 +1,93 @@
+"""A tensor-parallel worker rank: its model shards, its share of the KV pool, and the ops rank 0
+sends (verispec/distributed/executor.py), until Shutdown or until rank 0 is gone.
+
+Started by rank 0's engine on one machine (`python -m verispec.distributed.worker ...`), or as
+rank > 0 of a `torchrun` launch of any `verispec` command (verispec/entrypoints/cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import torch
+
+from verispec.distributed.comm import Rendezvous, TPGroup
+from verispec.distributed.executor import ComputeLogits, Forward, LoadModel, NewCache, Shutdown, load_shard, rank_device
+from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.llama import LlamaModel
+from verispec.models.loader import load_checkpoint
+
+logger = logging.getLogger("verispec.tp")
+
+
+def run_worker(rv: Rendezvous, device: torch.device, num_threads: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rv.rank} %(levelname)s %(message)s")
+    torch.set_num_threads(num_threads)
+    device = rank_device(device, rv.rank)
+    group = TPGroup(rv, device)
+    models: dict[int, LlamaModel] = {}
+    caches: dict[int, list] = {}
+    with torch.inference_mode():
+        while True:
+            try:
+                op = group.recv_op()
+            except RuntimeError:  # the control group's connection closed: rank 0 is gone
+                logger.info("rank 0 is gone; worker %d exits", rv.rank)
+                return
+            if isinstance(op, Shutdown):
+                return
+            if isinstance(op, LoadModel):
+                failed = 0.0
+                try:
+                    cfg, weights = load_checkpoint(op.path, op.dtype, op.quantization)
+                    models[op.model_id] = load_shard(group, cfg, weights, op.dtype, device)
+                    del weights
+                except Exception:  # noqa: BLE001 - counted in the all-reduce below; rank 0 raises
+                    logger.error("loading %s failed:\n%s", op.path, traceback.format_exc())
+                    failed = 1.0
+                group.all_reduce(torch.full((1,), failed, device=device))
+            elif isinstance(op, NewCache):
+                caches[op.cache_id] = models[op.model_id].new_kv_cache(op.num_blocks, op.block_size).layers
+            elif isinstance(op, Forward):
+                model = models[op.model_id]
+                ids_pos = group.broadcast(torch.empty(2, op.num_tokens, dtype=torch.long, device=device))
+                meta = build_attention_metadata([SeqSpan(*s) for s in op.spans], op.block_size, device, model.dtype)
+                model(ids_pos[0], ids_pos[1], meta, caches[op.cache_id], op.num_layers)
+            elif isinstance(op, ComputeLogits):
+                model = models[op.model_id]
+                hidden = torch.empty(op.num_rows, model.cfg.hidden_size, dtype=op.dtype, device=device)
+                model.compute_logits(group.broadcast(hidden))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the engine that started it exits, however it exits."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before the call
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m verispec.distributed.worker")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    _die_with_parent()
+    run_worker(Rendezvous(args.host, args.port, args.rank, args.size), torch.device(args.device), args.threads)
+
+
+if __name__ == "__main__":
+    main()
