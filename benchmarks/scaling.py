@@ -68,8 +68,13 @@ def _decode_steps(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float
 
 
 def run_scaling(tokenizer: Any, quick: bool, log: Callable[[str], None]) -> list[ScalingRow]:
+    import torch
+
     from verispec import LLM
 
+    # Rank 0 of a two-rank engine takes half the threads (its worker has the other half); every
+    # engine here starts from the run's own count.
+    threads = torch.get_num_threads()
     batches = (1, 16)
     steps = 8 if quick else 32
     prompts = [p.ids for p in chat_prompts(tokenizer, max(batches))]
@@ -78,6 +83,7 @@ def run_scaling(tokenizer: Any, quick: bool, log: Callable[[str], None]) -> list
         ms: dict[tuple[str, int], float] = {}
         moved: dict[int, dict[str, float]] = {}
         for label, extra in (("tp1", {}), ("tp1_eager", {"enforce_eager": True}), ("tp2", {"tensor_parallel_size": 2})):
+            torch.set_num_threads(threads)
             llm = LLM(num_kv_blocks=512, **kw, **extra)
             try:
                 _decode_steps(llm, prompts[:1], 2)  # warm-up
@@ -92,6 +98,7 @@ def run_scaling(tokenizer: Any, quick: bool, log: Callable[[str], None]) -> list
             m = {k: v / 1024 for k, v in moved[b].items()}
             rows.append(ScalingRow(tier, b, ms["tp1", b], ms["tp1_eager", b], ms["tp2", b], m["bytes_reduced"],
                                    m["bytes_gathered"], m["bytes_broadcast"], m["bytes_control"]))
+    torch.set_num_threads(threads)
     return rows
 
 
@@ -121,7 +128,7 @@ def plot_scaling(path: Path, rows: list[ScalingRow], machine: dict[str, Any]) ->
     ax.set_ylabel("decode step (ms, median)")
     ax.legend(fontsize=8)
     ax.set_title(f"SmolLM2-135M, tensor parallelism on one machine\n{machine['cpu']}, "
-                 f"{machine['torch_threads']} threads in all", fontsize=9)
+                 f"{machine['torch_threads']} threads: one rank has them all, two ranks share them", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
