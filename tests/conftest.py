@@ -96,6 +96,23 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def tiny_with_tokenizer(tmp_path_factory) -> str:
+    """The tiny llama with a word-level tokenizer ("t0" .. "t511", one word per token id), so that
+    text in and text out are token ids in and out, for tests that go through text (server, CLI)."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "llama", "llama", max_position_embeddings=2048)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY_VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048}, f)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_checkpoints) -> str:
     return tiny_checkpoints["llama"]
 

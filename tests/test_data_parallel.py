@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from conftest import TINY_VOCAB, make_tiny_checkpoint, random_prompts
+from conftest import random_prompts
 from server_utils import ServerProcess, sse_events
 from verispec.config import EngineConfig
 from verispec.engine.core_client import EngineDeadError
@@ -224,19 +224,6 @@ def test_client_bookkeeping_over_stand_in_replicas(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- end to end
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("dp") / "llama", "llama", max_position_embeddings=2048)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY_VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048}, f)
-    return path
-
-
 def _serve(model: str, *args: str) -> ServerProcess:
     return ServerProcess("--model", model, "--enforce-eager", "--data-parallel-size", "2", *args)
 

@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -115,34 +116,36 @@ def build_model(cfg: ModelConfig, weights: dict, path, dtype, quantization, devi
 class TensorParallel:
     """Rank 0's side of the group: starts or joins the workers and sends them ops."""
 
-    def __init__(self, config: EngineConfig, cfg: ModelConfig):
-        size = config.tensor_parallel_size
-        for rank in range(size):  # a model that cannot split says so before any process starts
-            make_shard(cfg, size, rank)
-        self.procs: list[subprocess.Popen] = []
-        rv = Rendezvous.from_env()
-        if rv is not None and rv.size > 1:  # torchrun / env:// across machines: the workers exist
-            if rv.size != size or rv.rank != 0:
-                raise ValueError(f"tensor_parallel_size={size} but this process is rank {rv.rank} of "
-                                 f"WORLD_SIZE={rv.size}; launch one rank per device, WORLD_SIZE = the size")
-        else:
-            rv = Rendezvous("127.0.0.1", _free_port(), 0, size)
-            # Fresh interpreters, not multiprocessing children: the server's engine core is itself a
-            # daemon process (which multiprocessing forbids to have children), and a fork of a
-            # process that ran torch threads is unsafe.
-            threads = str(rank_threads(config))
-            for r in range(1, size):
-                cmd = [sys.executable, "-m", "verispec.distributed.worker", "--host", rv.host, "--port", str(rv.port),
-                       "--rank", str(r), "--size", str(size), "--device", str(config.device), "--threads", threads]
-                self.procs.append(subprocess.Popen(cmd))
+    def __init__(self, config: EngineConfig, model_path):
+        """Starts the workers on this machine (or finds torchrun's); `connect` joins them. Started
+        first, they import torch and read the checkpoint while rank 0 reads its own."""
+        self.size, self.procs = config.tensor_parallel_size, []
+        self.group: TPGroup | None = None
         self.device = rank_device(config.device, 0)
-        self.group = TPGroup(rv, self.device)
         self._num_models = 0
         self._caches: dict[int, tuple[int, list]] = {}  # id(cache layers) -> (cache id, the layers)
+        rv = Rendezvous.from_env()
+        if rv is not None and rv.size > 1:  # torchrun / env:// across machines: the workers exist
+            if rv.size != self.size or rv.rank != 0:
+                raise ValueError(f"tensor_parallel_size={self.size} but this process is rank {rv.rank} of "
+                                 f"WORLD_SIZE={rv.size}; launch one rank per device, WORLD_SIZE = the size")
+            self._rv = rv
+            return
+        self._rv = Rendezvous("127.0.0.1", _free_port(), 0, self.size)
+        # Fresh interpreters, not multiprocessing children: the server's engine core is itself a
+        # daemon process (which multiprocessing forbids to have children), and a fork of a process
+        # that ran torch threads is unsafe.
+        args = ["--host", self._rv.host, "--port", str(self._rv.port), "--size", str(self.size),
+                "--device", str(config.device), "--threads", str(rank_threads(config)),
+                "--preload", str(model_path), str(config.dtype).removeprefix("torch."), str(config.quantization)]
+        self.procs = [subprocess.Popen([sys.executable, "-m", "verispec.distributed.worker", "--rank", str(r), *args])
+                      for r in range(1, self.size)]
 
-    @property
-    def size(self) -> int:
-        return self.group.size
+    def connect(self, cfg: ModelConfig) -> None:
+        """Checks that the model splits over the ranks, then forms the group with the workers."""
+        for rank in range(self.size):
+            make_shard(cfg, self.size, rank)
+        self.group = TPGroup(self._rv, self.device)
 
     def dead_workers(self) -> list[str]:
         return [f"rank {r} (exit code {p.returncode})" for r, p in enumerate(self.procs, 1) if p.poll() is not None]
@@ -158,7 +161,7 @@ class TensorParallel:
         try:
             self.group.send_op(op)
         except RuntimeError as exc:
-            raise WorkerDiedError(f"tensor-parallel group lost a worker: {exc}") from exc
+            raise self._failure(op, exc) from exc
 
     def mirrored(self, op, fn, *args):
         """fn(*args) on this rank's shard once every worker was told to run `op`."""
@@ -166,10 +169,17 @@ class TensorParallel:
         try:
             return fn(*args)
         except Exception as exc:
-            if dead := self.dead_workers():
-                raise ParallelGroupError(f"tensor-parallel worker died: {', '.join(dead)} "
-                                         f"(during {type(op).__name__})") from exc
-            raise ParallelGroupError(f"tensor-parallel op {type(op).__name__} failed: {exc}") from exc
+            raise self._failure(op, exc) from exc
+
+    def _failure(self, op, exc: Exception) -> ParallelGroupError:
+        """The error for an op that failed: a dead worker's exit is often seen by the connection
+        a moment before the process is reaped, so it gets a second to show up."""
+        deadline = time.monotonic() + 1.0
+        while not (dead := self.dead_workers()) and self.procs and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if dead:
+            return ParallelGroupError(f"tensor-parallel worker died: {', '.join(dead)} (during {type(op).__name__})")
+        return ParallelGroupError(f"tensor-parallel op {type(op).__name__} failed: {exc}")
 
     def load_model(self, cfg: ModelConfig, weights: dict, path: str, dtype, quantization) -> "ShardedModel":
         model_id = self._num_models
@@ -192,10 +202,13 @@ class TensorParallel:
 
     def shutdown(self) -> None:
         try:
-            if not self.dead_workers():
+            if self.group is not None and not self.dead_workers():
                 self.group.send_op(Shutdown())
         except RuntimeError:
             pass
+        if self.group is None:  # never connected: the workers wait for a store that will not come
+            for p in self.procs:
+                p.kill()
         for p in self.procs:
             try:
                 p.wait(timeout=10)

@@ -26,10 +26,18 @@ from verispec.models.loader import load_checkpoint
 logger = logging.getLogger("verispec.tp")
 
 
-def run_worker(rv: Rendezvous, device: torch.device, num_threads: int) -> None:
+def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: tuple | None = None) -> None:
+    """preload: (path, dtype, quantization) of the model rank 0 is about to load, read while rank 0
+    reads its own copy; used when the first LoadModel names it."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rv.rank} %(levelname)s %(message)s")
     torch.set_num_threads(num_threads)
     device = rank_device(device, rv.rank)
+    early = None
+    if preload is not None:
+        try:
+            early = (preload, load_checkpoint(*preload))
+        except Exception:  # noqa: BLE001 - rank 0 meets the same error and reports it
+            logger.warning("preloading %s failed; rank 0 reports why", preload[0])
     group = TPGroup(rv, device)
     models: dict[int, LlamaModel] = {}
     caches: dict[int, list] = {}
@@ -45,7 +53,9 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int) -> None:
             if isinstance(op, LoadModel):
                 failed = 0.0
                 try:
-                    cfg, weights = load_checkpoint(op.path, op.dtype, op.quantization)
+                    key = (op.path, op.dtype, op.quantization)
+                    cfg, weights = early[1] if early is not None and early[0] == key else load_checkpoint(*key)
+                    early = None
                     models[op.model_id] = load_shard(group, cfg, weights, op.dtype, device)
                     del weights
                 except Exception:  # noqa: BLE001 - counted in the all-reduce below; rank 0 raises
@@ -84,9 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--preload", nargs=3, metavar=("PATH", "DTYPE", "QUANTIZATION"), default=None)
     args = p.parse_args(argv)
     _die_with_parent()
-    run_worker(Rendezvous(args.host, args.port, args.rank, args.size), torch.device(args.device), args.threads)
+    preload = None
+    if args.preload:
+        path, dtype, quantization = args.preload
+        preload = (path, getattr(torch, dtype), None if quantization == "None" else quantization)
+    run_worker(Rendezvous(args.host, args.port, args.rank, args.size), torch.device(args.device), args.threads, preload)
 
 
 if __name__ == "__main__":

@@ -54,13 +54,16 @@ class LLMEngine:
         model_path = config.model or default_model_path()
         self.model_path = model_path
         config.dtype, config.quantization = resolve_precision(model_path, config.dtype, config.quantization)
-        model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
-        self.model_config = model_cfg
-        # Tensor parallelism: this process is rank 0; the workers start (or join) here.
-        self.tp = TensorParallel(config, model_cfg) if config.tensor_parallel_size > 1 else None
+        # Tensor parallelism: this process is rank 0; the workers start (or are found) here.
+        self.tp = TensorParallel(config, model_path) if config.tensor_parallel_size > 1 else None
+        self._threads_before = torch.get_num_threads()  # rank 0 shares the cores with its workers until shutdown
         if config.num_threads or self.tp is not None:
             torch.set_num_threads(rank_threads(config))
         try:
+            model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
+            self.model_config = model_cfg
+            if self.tp is not None:
+                self.tp.connect(model_cfg)
             self.model = build_model(model_cfg, weights, model_path, config.dtype, config.quantization,
                                      config.device, self.tp)
             del weights
@@ -244,6 +247,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.tp is not None:
             self.tp.shutdown()
+            torch.set_num_threads(self._threads_before)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (and its prompt rows); running requests keep their blocks."""
