@@ -324,6 +324,7 @@ def test_profile_times_every_grid_size_and_keeps_the_fastest_run(tiny_llama, mon
             return model(ids, *args)
 
         compute_logits = staticmethod(model.compute_logits)
+        new_kv_cache = staticmethod(model.new_kv_cache)
 
     monkeypatch.setattr(adaptive_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     cost = CostModel.profile(Timed(), block_size=16, max_tokens=40, device=torch.device("cpu"))

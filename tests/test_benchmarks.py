@@ -39,7 +39,7 @@ def test_defaults_and_quick():
     full = runner._resolve(bench_args())
     assert (full.max_tokens, full.runs, full.quick) == (128, 3, False)
     assert full.peers == ["hf", "llamacpp"]
-    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured"]
+    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp"]
     quick = runner._resolve(bench_args("--quick", "--out", "x"))
     assert (quick.max_tokens, quick.runs, quick.out) == (32, 1, Path("x"))
 
@@ -277,3 +277,14 @@ def test_scenario_table():
     assert SCENARIOS["extractive"].variants == (PLAIN, SPEC) and SCENARIOS["extractive"].headline == SPEC
     assert SCENARIOS["ttft"].fixed_tokens == 1 and SCENARIOS["ttft"].metric == TTFT
     assert SCENARIOS["batch16_logprobs"].verispec_only
+
+
+def test_scaling_table_ratio_and_files(tmp_path):
+    from benchmarks.scaling import ScalingRow, format_scaling_table, write_scaling
+
+    row = ScalingRow("exact fp32", 1, 35.0, 40.0, 80.0, 137.3, 96.0, 2.25, 0.3)
+    assert row.ratio == pytest.approx(2.0)
+    table = format_scaling_table([row])
+    assert "| exact fp32 | 1 | 35.0 | 40.0 | 80.0 | 2.00x | 137 | 96 | 2.2 | 0.3 |" in table
+    write_scaling(tmp_path, {"cpu": "test cpu", "torch_threads": 2}, [row])
+    assert {p.name for p in tmp_path.iterdir()} == {"scaling.md", "scaling.json", "scaling.png"}
