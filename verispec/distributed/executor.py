@@ -93,6 +93,10 @@ def rank_threads(config: EngineConfig) -> int:
     return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
+def _died(dead: list[str]) -> str:
+    return f"tensor-parallel worker died: {', '.join(dead)}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,9 +156,8 @@ class TensorParallel:
 
     def check(self) -> None:
         """Raises WorkerDiedError if a worker this process started has exited."""
-        dead = self.dead_workers()
-        if dead:
-            raise WorkerDiedError(f"tensor-parallel worker died: {', '.join(dead)}")
+        if dead := self.dead_workers():
+            raise WorkerDiedError(_died(dead))
 
     def send(self, op) -> None:
         self.check()
@@ -178,7 +181,7 @@ class TensorParallel:
         while not (dead := self.dead_workers()) and self.procs and time.monotonic() < deadline:
             time.sleep(0.02)
         if dead:
-            return ParallelGroupError(f"tensor-parallel worker died: {', '.join(dead)} (during {type(op).__name__})")
+            return ParallelGroupError(f"{_died(dead)} (during {type(op).__name__})")
         return ParallelGroupError(f"tensor-parallel op {type(op).__name__} failed: {exc}")
 
     def load_model(self, cfg: ModelConfig, weights: dict, path: str, dtype, quantization) -> "ShardedModel":
@@ -234,9 +237,6 @@ class ShardedModel:
     @property
     def embed(self) -> torch.Tensor:
         return self.local.embed
-
-    def eval(self) -> "ShardedModel":
-        return self
 
     def __call__(self, input_ids, positions, meta, kv_caches, num_layers: int | None = None) -> torch.Tensor:
         spans = [(s.start, s.num_query, s.context_len, s.block_table) for s in meta.spans]
