@@ -74,7 +74,8 @@ def make_shard(cfg: ModelConfig, size: int, rank: int) -> Shard:
 
 def max_kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
     """The most KV heads any rank holds: what sizes each rank's share of the KV pool."""
-    return max(make_shard(cfg, size, r).kv_heads[1] - make_shard(cfg, size, r).kv_heads[0] for r in range(size))
+    shards = [make_shard(cfg, size, r) for r in range(size)]
+    return max(s.kv_heads[1] - s.kv_heads[0] for s in shards)
 
 
 @dataclass(slots=True)
