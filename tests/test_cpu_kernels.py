@@ -19,8 +19,10 @@ from verispec.models.attention import (
 BLOCK = 16
 EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(),
-                                reason="verispec's CPU kernels are off (no C++ compiler, or VERISPEC_CPU_KERNELS=0)")
+# Skipped only where the kernels cannot exist. With a compiler present a build that fails fails
+# these tests (and `test_kernels_build_at_torchs_own_level`): it is never a silent fallback.
+pytestmark = pytest.mark.skipif(not cpu_kernels.kernels_wanted(),
+                                reason="verispec's CPU kernels are off here (no C++ compiler, or VERISPEC_CPU_KERNELS=0)")
 
 
 def make_cache(num_blocks, kv_heads, head_dim, dtype, seed=0):
@@ -163,24 +165,68 @@ def test_out_of_range_indices_raise_instead_of_reading_memory():
         op(q, k, v, cache.k, cache.v, meta.slot_mapping, too_long, seqs.tables, 0.125, out)
 
 
+def test_kernels_build_at_torchs_own_level():
+    """The level torch dispatches to in this process (ATEN_CPU_CAPABILITY lowers it), not a fallback."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    build = cpu_kernels.kernel_build()
+    assert build.level == (capability if capability in cpu_kernels.build_levels("AVX512") else "DEFAULT")
+    assert build.reason == "", build.reason
+
+
 def test_switches_and_missing_compiler_fall_back_to_sdpa(monkeypatch, tmp_path, caplog):
-    available = cpu_kernels.cpu_kernels_available
+    kernel_build = cpu_kernels.kernel_build
     try:
         monkeypatch.setenv("VERISPEC_CPU_KERNELS", "0")
-        available.cache_clear()
+        kernel_build.cache_clear()
         assert not kernel_layout(torch.device("cpu"), BLOCK, 64)
         assert not new_layer_cache(2, BLOCK, 1, 64, torch.float32, "cpu").keys_transposed
+        assert kernel_build().describe() == "off (VERISPEC_CPU_KERNELS=0)"
         monkeypatch.delenv("VERISPEC_CPU_KERNELS")
         monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # nothing built there yet
         monkeypatch.setenv("CXX", "false")  # a compiler that always fails
-        available.cache_clear()
+        kernel_build.cache_clear()
         with caplog.at_level(logging.WARNING, logger="verispec.kernels"):
-            assert not available()
-        assert "runs on SDPA" in caplog.text
+            assert not cpu_kernels.cpu_kernels_available()
+        assert "runs on SDPA" in caplog.text and len(caplog.records) == 1
     finally:
         monkeypatch.undo()
-        available.cache_clear()
-    assert available()
+        kernel_build.cache_clear()
+    assert cpu_kernels.cpu_kernels_available()
+
+
+def test_a_failed_level_falls_back_once_and_is_remembered(monkeypatch, tmp_path):
+    """A compiler that rejects AVX-512 flags: the AVX512 build fails with its first error line and
+    a log of the full output, AVX2 is built and chosen, and the next start does not retry AVX512."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake-g++"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"echo \"$@\" >> {calls}\n"
+        'case "$*" in *-mavx512f*) echo "x.cpp:1:2: error: no AVX-512 here" >&2; echo more >&2; exit 1;; esac\n'
+        'while [ "$1" != "-o" ]; do shift; done; : > "$2"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    loaded = []
+    chosen = cpu_kernels.load_best(str(fake), ["AVX512", "AVX2", "DEFAULT"], loaded.append)
+    assert chosen.level == "AVX2" and len(loaded) == 1 and "avx2" in loaded[0]
+    assert "the AVX512 build failed (fake-g++: x.cpp:1:2: error: no AVX-512 here)" in chosen.reason
+    log = next((tmp_path / "cache" / "kernels").glob("*avx512*.log"))
+    assert log.read_text().splitlines() == ["x.cpp:1:2: error: no AVX-512 here", "more"]
+    assert str(log) in chosen.reason
+    assert len(calls.read_text().splitlines()) == 2
+    again = cpu_kernels.load_best(str(fake), ["AVX512", "AVX2", "DEFAULT"], loaded.append)
+    assert again == chosen and len(calls.read_text().splitlines()) == 2  # nothing recompiled
+
+
+def test_every_level_has_flags_and_the_portable_build_has_none():
+    assert cpu_kernels.build_levels("AVX512") == ["AVX512", "AVX2", "DEFAULT"]
+    assert cpu_kernels.build_levels("AVX2") == ["AVX2", "DEFAULT"]
+    assert cpu_kernels.build_levels("SVE256") == ["DEFAULT"]  # another architecture: portable only
+    avx2 = cpu_kernels._command("g++", tmp := cpu_kernels.Path("x.so"), "AVX2")
+    assert {"-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"} <= set(avx2)
+    portable = cpu_kernels._command("g++", tmp, "DEFAULT")
+    assert not [a for a in portable if a.startswith("-m") or "CPU_CAPABILITY" in a]
 
 
 def test_layout_needs_whole_vectors():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from verispec.models.linear import QuantLinear, _cpu_codes_t, make_linear
+from verispec.models.linear import Int4Plane, QuantLinear, make_linear, pack_nibbles, unpack_nibbles
 from verispec.models.quant import QuantizedWeight, concat_rows, from_gguf_blocks, quantize_rtn
 
 BF16_EPS = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
@@ -51,10 +51,30 @@ def test_concat_rows_keeps_one_format_and_falls_back_to_dense_for_a_mix():
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([a.dequantize(), c.dequantize()]))
 
 
-def test_cpu_packing_layout_is_the_one_dequantize_reads():
-    codes = torch.randint(0, 16, (128, 96), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    assert torch.equal(_cpu_codes_t(packed, 96).to(torch.int32), codes.t())
+def test_nibbles_round_trip():
+    codes = torch.randint(0, 16, (70, 96), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.shape == (70, 48) and packed.dtype == torch.uint8
+    assert torch.equal(packed[:, 0], codes[:, 0] | (codes[:, 1] << 4))
+    assert torch.equal(unpack_nibbles(packed), codes)
+
+
+@pytest.mark.parametrize("n", [64, 200])  # 200: torch pads N to its packing's multiple of 64
+def test_the_dense_path_decodes_the_matrix_the_kernel_computes_with(n):
+    """torch's packed layout is private and changes with the CPU capability; the dense path reads
+    verispec's own copy of the codes. torch's kernel applied to the identity is torch's own decode:
+    each output is one code's (c - 8) * S + Z, rounded once to bf16. Under a scrambled layout most
+    entries would be another weight's value, off by whole scale steps."""
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 16, (n, 128), generator=g, dtype=torch.uint8)
+    scale, zero = torch.rand(n, 4, generator=g) + 0.1, torch.randn(n, 4, generator=g)
+    plane = Int4Plane(codes, scale, zero, 32, torch.bfloat16, torch.device("cpu"))
+    by_kernel = plane(torch.eye(128, dtype=torch.bfloat16)).t().float()  # [N, K]
+    dense = plane.dense().float()
+    assert dense.shape == (n, 128)
+    s, z = plane.scales_and_zeros[:, :n].float().unbind(-1)  # [K/G, N] each, as the kernel sees them
+    magnitude = (codes.float() - 8).abs() * s.t().repeat_interleave(32, 1) + z.t().abs().repeat_interleave(32, 1)
+    assert ((dense - by_kernel).abs() <= BF16_EPS * magnitude).all()
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor, slack: float) -> torch.Tensor:

@@ -9,9 +9,13 @@
   codes: 1.0 ms for one row of SmolLM2's 49152 x 576 head and 5.3 ms for 16, against 1.6 and
   11.8 ms on two int4 planes, with fp32 output and the same arithmetic for any number of rows.
 
-The library is compiled for this CPU's vector ISA (torch's own dispatch level) into
-`kernels/` under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the
-source, torch's version and the ISA, so a machine builds it once (about 10 s). No compiler, a failed build or
+The library is compiled at torch's own CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`,
+which `ATEN_CPU_CAPABILITY` can lower) with the flags torch builds that level with, into `kernels/`
+under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the source,
+torch's version, the level and the compiler, so a machine builds it once (about 15 s). A level whose
+build fails falls back to the next one down (AVX512, AVX2, then the portable build); the failure is
+remembered beside the library, with the compiler's full output in a log file, and reported in one
+line, so a machine does not retry it at every start. No compiler, every build failed, or
 `VERISPEC_CPU_KERNELS=0`: attention falls back to SDPA, with the same results up to rounding.
 """
 
@@ -25,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,11 +40,25 @@ from verispec.models.loader import cache_dir
 logger = logging.getLogger("verispec.kernels")
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quant_linear.cpp")]
-# torch's CPU dispatch level -> the macro its vector headers read and the compiler flags it needs.
-_ISA = {
-    "AVX512": ("CPU_CAPABILITY_AVX512", ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]),
-    "AVX2": ("CPU_CAPABILITY_AVX2", ["-mavx2", "-mfma"]),
+# torch's CPU dispatch levels, best first -> the macro its vector headers read and the flags torch
+# compiles that level's kernels with (AVX2's headers convert halves with F16C instructions).
+_LEVELS = {
+    "AVX512": ("CPU_CAPABILITY_AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]),
+    "AVX2": ("CPU_CAPABILITY_AVX2", ["-mavx2", "-mfma", "-mf16c"]),
+    "DEFAULT": (None, []),  # portable: the headers' scalar-loop vectors, any x86-64 (or other) CPU
 }
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """What `cpu_kernels_available()` settled on: the level it loaded (None: no kernels) and why."""
+
+    level: str | None
+    reason: str = ""  # why not torch's own level, or why none; empty when all is as wanted
+
+    def describe(self) -> str:
+        """For the start-up line and the metrics label."""
+        return f"verispec {self.level}" if self.level else f"off ({self.reason})"
 
 
 def cxx_compiler() -> str | None:
@@ -47,8 +66,15 @@ def cxx_compiler() -> str | None:
     return next((shutil.which(cc) for cc in (os.environ.get("CXX"), "g++", "clang++") if cc and shutil.which(cc)), None)
 
 
-def _command(cxx: str, target: Path) -> list[str]:
-    macro, flags = _ISA.get(torch.backends.cpu.get_cpu_capability(), (None, []))
+def build_levels(capability: str | None = None) -> list[str]:
+    """torch's level (this process's dispatch), then every level below it."""
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    order = list(_LEVELS)
+    return order[order.index(capability):] if capability in order else ["DEFAULT"]
+
+
+def _command(cxx: str, target: Path, level: str) -> list[str]:
+    macro, flags = _LEVELS[level]
     cmd = [cxx, *map(str, _SOURCES), "-o", str(target), "-shared", "-fPIC", "-O3", "-std=c++17", "-fopenmp",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags]
     if macro:
@@ -59,41 +85,97 @@ def _command(cxx: str, target: Path) -> list[str]:
     return cmd + ["-lc10", "-ltorch", "-ltorch_cpu"]
 
 
-def _build() -> Path:
-    cxx = cxx_compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler found (install g++)")
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + torch.backends.cpu.get_cpu_capability().encode()
-        + sys.version.encode()
-    ).hexdigest()[:16]
+def _key(cxx: str, level: str) -> str:
+    stat = os.stat(cxx)  # another compiler (or an upgraded one) gets another try
+    parts = [p.read_bytes() for p in _SOURCES] + [
+        torch.__version__.encode(), level.encode(), sys.version.encode(), f"{cxx}:{stat.st_mtime_ns}".encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+class BuildFailed(RuntimeError):
+    def __init__(self, level: str, cause: str, log: Path):
+        super().__init__(f"the {level} build failed ({cause}); compiler output in {log}")
+        self.level, self.cause, self.log = level, cause, log
+
+
+def _first_error(output: str) -> str:
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "error" in ln), lines[-1] if lines else "no output")[:160]
+
+
+def build(cxx: str, level: str) -> Path:
+    """The library for `level`, compiled on first use; raises `BuildFailed` (also for a failure
+    remembered from an earlier start: delete the .failed file, or change the compiler, to retry)."""
     cache = cache_dir() / "kernels"
-    target = cache / f"verispec_cpu-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        logger.info("building verispec's CPU kernels (once per machine, about 15 s)")
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run(_command(cxx, built), capture_output=True, text=True)
-            if result.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: {result.stderr[-2000:]}")
-            os.replace(built, target)  # atomic: a concurrent builder never loads half a file
+    stem = f"verispec_cpu-{level.lower()}-{_key(cxx, level)}"
+    target, failed, log = cache / f"{stem}.so", cache / f"{stem}.failed", cache / f"{stem}.log"
+    if target.exists():
+        return target
+    if failed.exists():
+        raise BuildFailed(level, failed.read_text().strip() or "an earlier start", log)
+    cache.mkdir(parents=True, exist_ok=True)
+    logger.info("building verispec's CPU kernels for %s (once per machine, about 15 s)", level)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        try:
+            result = subprocess.run(_command(cxx, built, level), capture_output=True, text=True)
+        except OSError as exc:
+            result = subprocess.CompletedProcess([], 127, "", str(exc))
+        if result.returncode != 0 or not built.exists():
+            output = result.stdout + result.stderr
+            log.write_text(output)
+            cause = f"{Path(cxx).name}: {_first_error(output)}"
+            failed.write_text(cause + "\n")
+            raise BuildFailed(level, cause, log)
+        os.replace(built, target)  # atomic: a concurrent builder never loads half a file
     return target
 
 
 @functools.cache
-def cpu_kernels_available() -> bool:
-    """Whether `torch.ops.verispec_cpu` (paged_attention, int8_linear) is loaded, building it on first use."""
+def kernel_build() -> KernelBuild:
+    """Builds and loads the best level that builds, once per process."""
     if os.environ.get("VERISPEC_CPU_KERNELS", "1") == "0":
-        return False
-    try:
-        torch.ops.load_library(str(_build()))
-        _register_fakes()
-    except Exception as exc:  # noqa: BLE001 - any failure means: use SDPA
+        return KernelBuild(None, "VERISPEC_CPU_KERNELS=0")
+    cxx = cxx_compiler()
+    if cxx is None:
+        return KernelBuild(None, "no C++ compiler; install g++")
+    chosen = load_best(cxx, build_levels(), torch.ops.load_library)
+    if chosen.level is None:
         logger.warning("verispec's CPU kernels are unavailable; attention runs on SDPA and 8-bit matrices on "
-                       "int4 planes (slower): %s", exc)
-        return False
-    return True
+                       "int4 planes (slower): %s", chosen.reason)
+    else:
+        _register_fakes()
+        if chosen.reason:
+            logger.warning("verispec's CPU kernels run at %s: %s", chosen.level, chosen.reason)
+    return chosen
+
+
+def load_best(cxx: str, levels: list[str], load) -> KernelBuild:
+    """The first of `levels` that builds and loads (`load(path)`), with the failures above it."""
+    failures = []
+    for level in levels:
+        try:
+            path = build(cxx, level)
+        except BuildFailed as exc:
+            failures.append(str(exc))
+            continue
+        try:
+            load(str(path))
+        except Exception as exc:  # noqa: BLE001 - a library that does not load: the next level down
+            failures.append(f"the {level} build does not load ({str(exc)[:160]})")
+            continue
+        return KernelBuild(level, "; ".join(failures))
+    return KernelBuild(None, "; ".join(failures))
+
+
+def cpu_kernels_available() -> bool:
+    """Whether `torch.ops.verispec_cpu` (paged_attention, int8_linear, int4_linear) is loaded."""
+    return kernel_build().level is not None
+
+
+def kernels_wanted() -> bool:
+    """Whether this machine should have the kernels: a C++ compiler, and not switched off."""
+    return os.environ.get("VERISPEC_CPU_KERNELS", "1") != "0" and cxx_compiler() is not None
 
 
 _fakes_registered = False

@@ -26,7 +26,7 @@ from verispec.models.quant import QuantizedWeight
 # Measured on a 2-core AVX-512 CPU (576 x 1536, bf16): the int4 kernel costs ~11 us per row of x
 # past 4 rows; a dequantize (0.7 ms) plus a bf16 matmul overtakes it at about 128 rows.
 KERNEL_MAX_ROWS = 64
-_CPU_BLOCK_N = 64  # the CPU packing interleaves rows in blocks of 64 (see _cpu_codes_t)
+_CPU_BLOCK_N = 64  # torch's CPU packing takes N in multiples of 64
 
 
 class Linear(nn.Module):
@@ -45,7 +45,12 @@ class Linear(nn.Module):
 
 
 class Int4Plane(nn.Module):
-    """One int4 kernel operand: packed codes and the [K/G, N, 2] scales and zeros."""
+    """One int4 kernel operand: torch's packed codes and the [K/G, N, 2] scales and zeros, plus
+    the codes in verispec's own layout for the dense path.
+
+    torch packs codes in a private layout that changes with the CPU capability it dispatches to
+    (AVX-512, AVX2, default), so `packed` is only ever handed to torch's kernel. `nibbles` [N, K/2]
+    holds code k of row n in byte k // 2 (the low nibble for even k): `dense()` decodes from it."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                  dtype: torch.dtype, device: torch.device):
@@ -53,6 +58,7 @@ class Int4Plane(nn.Module):
         n, k = codes.shape
         self.n, self.k, self.group_size = n, k, group_size
         self.cuda_kernel = device.type == "cuda"
+        self.register_buffer("nibbles", pack_nibbles(codes).to(device), persistent=False)
         pad = -n % (8 if self.cuda_kernel else _CPU_BLOCK_N)
         if pad:  # padded rows have zero scale and zero: they compute 0 and are sliced off
             codes = F.pad(codes, (0, 0, 0, pad), value=8)
@@ -68,17 +74,25 @@ class Int4Plane(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
         return y if y.shape[-1] == self.n else y[..., : self.n]
 
-    def dense_t(self) -> torch.Tensor:
-        """The dequantized [K, N] matrix in the activations' dtype."""
-        sz = self.scales_and_zeros
-        if self.cuda_kernel:  # the kernel applied to the identity is the layout-free dequantize
-            eye = torch.eye(self.k, dtype=sz.dtype, device=sz.device)
-            return torch.ops.aten._weight_int4pack_mm(eye, self.packed, self.group_size, sz)[:, : self.n]
-        codes = _cpu_codes_t(self.packed, self.k)  # [K, N_padded]
+    def dense(self) -> torch.Tensor:
+        """The [N, K] matrix the kernel computes with, (c - 8) * S + Z, in the activations' dtype."""
+        sz = self.scales_and_zeros[:, : self.n]  # [K/G, N, 2]
         groups = self.k // self.group_size
-        w = codes.view(groups, self.group_size, -1).to(sz.dtype).sub_(8)
-        w = torch.addcmul(sz[None, :, :, 1].transpose(0, 1), w, sz[None, :, :, 0].transpose(0, 1))
-        return w.view(self.k, -1)[:, : self.n]
+        codes = unpack_nibbles(self.nibbles).view(self.n, groups, self.group_size)
+        c = codes.to(sz.dtype).sub_(8)
+        # One rounding of (c - 8) * S + Z, into a buffer laid out as [N, K].
+        return torch.addcmul(sz[..., 1].t()[..., None], c, sz[..., 0].t()[..., None], out=torch.empty_like(c)).view(self.n, self.k)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 -> [N, K/2] bytes: code 2j in the low nibble of byte j, 2j + 1 in the high."""
+    c = codes.to(torch.uint8)
+    return (c[:, ::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_nibbles`: [N, K/2] bytes -> [N, K] uint8 codes."""
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], -1).view(nibbles.shape[0], -1)
 
 
 def _pack(codes: torch.Tensor, cuda_kernel: bool) -> torch.Tensor:
@@ -88,14 +102,6 @@ def _pack(codes: torch.Tensor, cuda_kernel: bool) -> torch.Tensor:
     inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
     pairs = (codes[:, ::2].to(torch.uint8) << 4) | codes[:, 1::2].to(torch.uint8)
     return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
-
-
-def _cpu_codes_t(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """Codes as [K, N] from the CPU packing: viewed as [N/64, K, 32] bytes, the low nibble of byte
-    j holds row 64b + j and the high nibble row 64b + 32 + j (a test pins this layout)."""
-    blocks = packed.view(-1, k, _CPU_BLOCK_N // 2)
-    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [N/64, K, 64]
-    return codes.transpose(0, 1).reshape(k, -1)
 
 
 class QuantLinear(nn.Module):
@@ -131,8 +137,8 @@ class QuantLinear(nn.Module):
             return planes[0](x) if len(planes) == 1 else planes[0](x) + planes[1](x)
         if self.dense is not None:
             return F.linear(x, self.dense)
-        w_t = planes[0].dense_t() if len(planes) == 1 else planes[0].dense_t() + planes[1].dense_t()
-        return x @ w_t
+        w = planes[0].dense() if len(planes) == 1 else planes[0].dense() + planes[1].dense()
+        return F.linear(x, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
