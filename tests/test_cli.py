@@ -23,6 +23,17 @@ def test_generate_json_with_logprobs(capsys):
     assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == len(out["prompt_token_ids"])
 
 
+@pytest.mark.slow
+def test_generate_says_what_it_runs_on_in_one_line(capsys):
+    import torch
+
+    assert main(["generate", "Hi", "--max-tokens", "2", "--enforce-eager"]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("verispec: ")]
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert lines == [lines[0]] and f"fast tier (bfloat16 + gguf) on {capability}, kernels " in lines[0]
+    assert lines[0].endswith(", eager step")
+
+
 def test_bad_option_is_one_clear_line(capsys):
     assert main(["generate", "hi", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err

@@ -236,15 +236,19 @@ def test_layout_needs_whole_vectors():
     assert not kernel_layout(torch.device("meta"), BLOCK, 64)  # not a CPU
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n", [96, 100])  # 100: the last block of 16 columns is padded
-def test_int8_linear_matches_float64_and_rows_do_not_interact(n):
+def test_quant_linear_kernel_matches_float64_and_rows_do_not_interact(n, bits):
     from verispec.models.linear import DecodedLinear
     from verispec.models.quant import quantize_rtn
 
     k = 128
-    g = torch.Generator().manual_seed(n)
-    weight = quantize_rtn(torch.randn(n, k, generator=g), bits=8)
-    weight.scale = weight.scale.half().float()  # GGUF's Q8_0 scales are fp16: every weight decodes exactly
+    g = torch.Generator().manual_seed(n + bits)
+    weight = quantize_rtn(torch.randn(n, k, generator=g), bits=bits)
+    # GGUF's scales (and Q4_1's offsets) are fp16: every weight decodes exactly.
+    weight.scale = weight.scale.half().float()
+    if weight.offset is not None:
+        weight.offset = weight.offset.half().float()
     head = DecodedLinear(weight, torch.device("cpu"))
     w = weight.dequantize().double()
     for rows in (1, 5, 17):  # 17: two full tiles of 8 rows and one more

@@ -105,6 +105,18 @@ def test_quant_linear_matches_the_dequantized_matrix(bits, rows, n):
             <= _bound(x, w, 6.0 if bits == 4 else 8.0) + BF16_EPS * residual.float().abs()).all()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_rows_do_not_interact(bits):
+    """Up to the kernels' row limit a row's output is bit-identical whatever rows share its call:
+    what makes speculative and plain decoding agree to the last bit within the fast tier."""
+    g = torch.Generator().manual_seed(bits)
+    layer = make_linear(quantize_rtn(torch.randn(200, 256, generator=g), bits), torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(layer.kernel_max_rows, 256, generator=g).bfloat16()
+    whole = layer(x)
+    for rows in (1, 2, 5, 6, 17):
+        assert torch.equal(torch.cat([layer(x[i : i + rows]) for i in range(0, len(x), rows)]), whole)
+
+
 def test_a_matrix_the_kernels_cannot_take_runs_dense():
     q = quantize_rtn(torch.randn(16, 64), 4)
     q = QuantizedWeight(4, q.codes[:, :48], q.scale[:, :1].repeat(1, 3), q.offset[:, :1].repeat(1, 3), 16)

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from conftest import SMOLLM2_LOGPROB_TOL
 from server_utils import ServerProcess, sse_events
 from verispec import SamplingParams
+from verispec.models.cpu_kernels import kernels_wanted
 
 pytestmark = pytest.mark.slow
 
@@ -287,6 +289,12 @@ def test_metrics_exposes_engine_and_latency(server):
         assert name in m, name
     assert m["verispec:time_to_first_token_seconds_count"] >= 1
     assert m["verispec:kv_cache_blocks_total"] == 256
+    # What the engine runs on, as labels (SAME_ENGINE: fp32, eager, on this process's capability).
+    info = next(line for line in server.get("/metrics").text.splitlines() if line.startswith("verispec:runtime_info{"))
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert 'tier="exact"' in info and f'cpu_capability="{capability}"' in info and 'step="eager"' in info
+    assert info.endswith(" 1.0")
+    assert f'kernels="verispec {capability}"' in info if kernels_wanted() else 'kernels="off (' in info
 
 
 def test_prefix_cache_over_http_salts_reset_and_metrics(server, smollm2_llm):

