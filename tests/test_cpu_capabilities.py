@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from verispec.models.cpu_kernels import build_levels
+from verispec.models.loader import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 # Kernels (attention, the exact tier's matmul), torch's int4 kernels and the dense path, the fast
@@ -42,7 +43,8 @@ def test_capability_dependent_tests_pass_at_a_lower_level(level):
     if level not in levels_below(here):
         pytest.skip(f"this process runs at {here}: {level} is not a level below it (it is this one, "
                     f"or one this CPU cannot execute)")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=level)
+    # Inductor's cache keys ignore the capability (models/compile.py): each level gets its own.
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=level, TORCHINDUCTOR_CACHE_DIR=str(cache_dir() / "inductor" / level))
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            env=env, capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == level.upper()

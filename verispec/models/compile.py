@@ -11,6 +11,9 @@ runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls the
   evaluation (more than half a millisecond per step) is filtered out; `warm_up` compiles the
   graph and runs it at the sizes that matter before the first request.
 - Inductor's C++ wrapper calls the kernels from C++, not from a Python wrapper.
+- Inductor's on-disk cache lives under verispec's cache, one directory per CPU capability: its
+  keys do not include `ATEN_CPU_CAPABILITY`, and C++ generated for AVX2 fails to build at the
+  portable level (and AVX-512 code would not run on an AVX2 machine).
 - `enforce_eager=True`, `VERISPEC_COMPILE=0`, or a machine without a C++ compiler runs eager; so
   does CUDA for now (untested there, and CUDA graphs are what a GPU step needs).
 """
@@ -27,6 +30,7 @@ import torch
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.cpu_kernels import cxx_compiler
 from verispec.models.linear import KERNEL_MAX_ROWS
+from verispec.models.loader import cache_dir
 
 logger = logging.getLogger("verispec.compile")
 
@@ -43,10 +47,19 @@ def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
     return True
 
 
+def inductor_cache_dir() -> str:
+    """Inductor's cache for this process's CPU capability ($TORCHINDUCTOR_CACHE_DIR if set)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        level = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / level)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 class CompiledStack:
     """`model.stack` under torch.compile; called by `LlamaModel.forward` inside the attention context."""
 
     def __init__(self, model, max_tokens: int = KERNEL_MAX_ROWS):
+        inductor_cache_dir()
         # Dynamo keeps compiled graphs (and their guards) on the function's code object. A copy of
         # the code per model gives each model one graph of its own, so that with guards skipped
         # two engines in one process can never pick each other's graph.
