@@ -32,6 +32,13 @@ class Fidelity:
     def meets_bar(self) -> bool:
         return self.mean_kl <= KL_BAR and self.top1 >= TOP1_BAR
 
+    def pooled(self, other: "Fidelity") -> "Fidelity":
+        """Both samples' rows as one sample."""
+        n = self.tokens + other.tokens
+        return Fidelity(n, (self.mean_kl * self.tokens + other.mean_kl * other.tokens) / n,
+                        (self.top1 * self.tokens + other.top1 * other.tokens) / n,
+                        max(self.max_logprob_diff, other.max_logprob_diff))
+
     def as_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens, "mean_kl": self.mean_kl, "top1": self.top1,
                 "max_logprob_diff": self.max_logprob_diff, "meets_bar": self.meets_bar}

@@ -212,20 +212,22 @@ def test_a_failed_level_falls_back_once_and_is_remembered(monkeypatch, tmp_path)
     assert chosen.level == "AVX2" and len(loaded) == 1 and "avx2" in loaded[0]
     assert "the AVX512 build failed (fake-g++: x.cpp:1:2: error: no AVX-512 here)" in chosen.reason
     log = next((tmp_path / "cache" / "kernels").glob("*avx512*.log"))
-    assert log.read_text().splitlines() == ["x.cpp:1:2: error: no AVX-512 here", "more"]
+    assert log.read_text().splitlines() == ["x.cpp:1:2: error: no AVX-512 here", "more"] * len(cpu_kernels._SOURCES)
     assert str(log) in chosen.reason
-    assert len(calls.read_text().splitlines()) == 2
+    built = len(calls.read_text().splitlines())
+    assert built == 2 * len(cpu_kernels._SOURCES) + 1  # each source at AVX512, then at AVX2, one link
     again = cpu_kernels.load_best(str(fake), ["AVX512", "AVX2", "DEFAULT"], loaded.append)
-    assert again == chosen and len(calls.read_text().splitlines()) == 2  # nothing recompiled
+    assert again == chosen and len(calls.read_text().splitlines()) == built  # nothing recompiled
 
 
 def test_every_level_has_flags_and_the_portable_build_has_none():
     assert cpu_kernels.build_levels("AVX512") == ["AVX512", "AVX2", "DEFAULT"]
     assert cpu_kernels.build_levels("AVX2") == ["AVX2", "DEFAULT"]
     assert cpu_kernels.build_levels("SVE256") == ["DEFAULT"]  # another architecture: portable only
-    avx2 = cpu_kernels._command("g++", tmp := cpu_kernels.Path("x.so"), "AVX2")
+    src, obj = cpu_kernels._SOURCES[0], cpu_kernels.Path("x.o")
+    avx2 = cpu_kernels._compile_command("g++", src, obj, "AVX2")
     assert {"-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"} <= set(avx2)
-    portable = cpu_kernels._command("g++", tmp, "DEFAULT")
+    portable = cpu_kernels._compile_command("g++", src, obj, "DEFAULT")
     assert not [a for a in portable if a.startswith("-m") or "CPU_CAPABILITY" in a]
 
 

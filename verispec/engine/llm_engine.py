@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -62,13 +63,20 @@ class LLMEngine:
         if config.num_threads or self.tp is not None:
             torch.set_num_threads(rank_threads(config))
         self.startup = StartupLog()
+        # Start-up work that waits on subprocesses or files runs beside the checkpoint read: the
+        # kernels' compiler (once per machine) and the tokenizer (read from the GGUF file once).
+        background = ThreadPoolExecutor(2, thread_name_prefix="verispec-start")
+        kernels = background.submit(kernel_build) if config.device.type == "cpu" else None
+        self._tokenizer = background.submit(load_tokenizer, model_path)
+        background.shutdown(wait=False)
         try:
-            if config.device.type == "cpu":
-                with self.startup.phase("kernels"):  # built (once per machine) or loaded
-                    kernel_build()
-            with self.startup.phase("weights"):
+            with self.startup.phase("checkpoint"):
                 model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
                 self.model_config = model_cfg
+            if kernels is not None:
+                with self.startup.phase("kernels"):  # what the build needs past the checkpoint read
+                    kernels.result()
+            with self.startup.phase("model"):
                 if self.tp is not None:
                     self.tp.connect(model_cfg)
                 self.model = build_model(model_cfg, weights, model_path, config.dtype, config.quantization,
@@ -84,7 +92,7 @@ class LLMEngine:
         if self.tp is None and compile_wanted(config.enforce_eager, config.device):
             self.model.compiled = CompiledStack(self.model)
         with self.startup.phase("tokenizer"):
-            self.tokenizer = load_tokenizer(model_path)
+            self.tokenizer = self._tokenizer.result()
         limit = model_cfg.max_position_embeddings
         if config.max_model_len is None:
             config.max_model_len = limit

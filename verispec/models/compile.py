@@ -82,6 +82,11 @@ class CompiledStack:
         if not self.warm:  # compiling: one graph whatever the size, 1 included (no 0/1 specialisation)
             torch._dynamo.decorators.mark_unbacked(input_ids, 0)
             torch._dynamo.decorators.mark_unbacked(positions, 0)
+            # The model's float constants (norm eps, rope, attention scale) never change: traced
+            # as symbols, they make Dynamo trace the whole stack a second time (a third of the
+            # compile) to specialise them after all.
+            with torch._dynamo.config.patch(specialize_float=True):
+                return self._fn(input_ids, positions)
         return self._fn(input_ids, positions)
 
 

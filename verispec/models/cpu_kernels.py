@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,16 +74,37 @@ def build_levels(capability: str | None = None) -> list[str]:
     return order[order.index(capability):] if capability in order else ["DEFAULT"]
 
 
-def _command(cxx: str, target: Path, level: str) -> list[str]:
+def _compile_command(cxx: str, source: Path, obj: Path, level: str) -> list[str]:
     macro, flags = _LEVELS[level]
-    cmd = [cxx, *map(str, _SOURCES), "-o", str(target), "-shared", "-fPIC", "-O3", "-std=c++17", "-fopenmp",
+    cmd = [cxx, "-c", str(source), "-o", str(obj), "-fPIC", "-O3", "-std=c++17", "-fopenmp",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags]
     if macro:
         cmd.append(f"-D{macro}")
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    return cmd + [f"-I{p}" for p in cpp_extension.include_paths()]
+
+
+def _link_command(cxx: str, objs: list[Path], target: Path) -> list[str]:
+    cmd = [cxx, *map(str, objs), "-o", str(target), "-shared", "-fopenmp"]
     for lib_dir in cpp_extension.library_paths():
         cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
     return cmd + ["-lc10", "-ltorch", "-ltorch_cpu"]
+
+
+def _run_all(commands: list[list[str]]) -> tuple[bool, str]:
+    """Runs the commands at once (one source per core: most of the time goes to parsing ATen's
+    headers); whether all succeeded, and their output."""
+    procs, output, ok = [], [], True
+    for cmd in commands:
+        try:
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        except OSError as exc:
+            ok = False
+            output.append(f"{cmd[0]}: {exc}")
+    for proc in procs:
+        out, _ = proc.communicate()
+        ok = ok and proc.returncode == 0
+        output.append(out)
+    return ok, "".join(output)
 
 
 def _key(cxx: str, level: str) -> str:
@@ -116,13 +138,13 @@ def build(cxx: str, level: str) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     logger.info("building verispec's CPU kernels for %s (once per machine, about 15 s)", level)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        objs = [Path(tmp) / f"{src.stem}.o" for src in _SOURCES]
         built = Path(tmp) / target.name
-        try:
-            result = subprocess.run(_command(cxx, built, level), capture_output=True, text=True)
-        except OSError as exc:
-            result = subprocess.CompletedProcess([], 127, "", str(exc))
-        if result.returncode != 0 or not built.exists():
-            output = result.stdout + result.stderr
+        ok, output = _run_all([_compile_command(cxx, src, obj, level) for src, obj in zip(_SOURCES, objs)])
+        if ok:
+            ok, linked = _run_all([_link_command(cxx, objs, built)])
+            output += linked
+        if not ok or not built.exists():
             log.write_text(output)
             cause = f"{Path(cxx).name}: {_first_error(output)}"
             failed.write_text(cause + "\n")
@@ -131,9 +153,17 @@ def build(cxx: str, level: str) -> Path:
     return target
 
 
-@functools.cache
+_build_lock = threading.Lock()  # the engine starts the build in a thread; a model that needs it waits
+
+
 def kernel_build() -> KernelBuild:
     """Builds and loads the best level that builds, once per process."""
+    with _build_lock:
+        return _kernel_build()
+
+
+@functools.cache
+def _kernel_build() -> KernelBuild:
     if os.environ.get("VERISPEC_CPU_KERNELS", "1") == "0":
         return KernelBuild(None, "VERISPEC_CPU_KERNELS=0")
     cxx = cxx_compiler()
@@ -166,6 +196,9 @@ def load_best(cxx: str, levels: list[str], load) -> KernelBuild:
             continue
         return KernelBuild(level, "; ".join(failures))
     return KernelBuild(None, "; ".join(failures))
+
+
+kernel_build.cache_clear = _kernel_build.cache_clear  # for tests that switch the kernels off and on
 
 
 def cpu_kernels_available() -> bool:

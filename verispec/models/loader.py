@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from verispec.models.config import ModelConfig
+from verispec.models.gguf_index import read_index
 from verispec.models.quant import GROUP_SIZE, QuantizedWeight, from_gguf_blocks, quantize_rtn
 
 _EXACT_GGUF = ("Q4_0", "Q4_1", "Q8_0")  # decoded into QuantizedWeight without rounding
@@ -219,25 +220,23 @@ def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
 def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
     """keep_blocks: Q4_0 / Q4_1 / Q8_0 matrices stay quantized as in the file; other quantized
     types (K-quants and the like) are re-quantized to 8 bits, which loses next to nothing."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    cfg = _gguf_config(reader)
+    cfg, tensors = read_index(path, _gguf_config, cache_dir())
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     # llama.cpp permutes q/k only for the llama-style rotary layout; Qwen GGUFs keep HF's order.
     permuted = cfg.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor | QuantizedWeight] = {}
-    for t in reader.tensors:
+    for t in tensors:
         ours = _gguf_name(t.name)
         if ours is None:
             continue
-        # GGUF lists dims innermost-first; the data is [out, in] once dequantized.
-        shape = [int(d) for d in reversed(t.shape)]
-        kind = t.tensor_type.name
+        raw, shape, kind = data[t.offset : t.offset + t.n_bytes], t.shape, t.kind
         if keep_blocks and kind in _EXACT_GGUF:
-            w = from_gguf_blocks(t.data, kind, tuple(shape))
+            w = from_gguf_blocks(raw, kind, tuple(shape))
         else:
-            array = dequantize(t.data, t.tensor_type).reshape(shape)
+            array = dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)
             w = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
             if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % GROUP_SIZE == 0:
                 w = quantize_rtn(w, 8)
