@@ -48,8 +48,13 @@ def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
 
 
 def inductor_cache_dir() -> str:
-    """Inductor's cache for this process's CPU capability ($TORCHINDUCTOR_CACHE_DIR if set)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    """Inductor's cache for this process's CPU capability; a $TORCHINDUCTOR_CACHE_DIR of the
+    user's own is kept. Inductor writes its shared default into the variable on first use, so
+    that value is replaced too: it would mix the levels' code."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         level = torch.backends.cpu.get_cpu_capability().lower()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor" / level)
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
