@@ -11,7 +11,8 @@ onto it without re-quantizing (see `verispec.models.quant`):
   scale * (lo - 8), that is (c = hi + 8, S = 16 * scale, Z = 8 * scale) and (c = lo, S = scale, Z = 0).
 Only S and Z are rounded (to the activations' dtype). The kernels read 4 bits per weight and pay
 per row of x, so they win for decode-sized batches; past `kernel_max_rows` rows (prefill
-chunks) the matrix is dequantized for the step and runs as a dense matmul.
+chunks) the matrix is dequantized for the step, from verispec's own copy of the codes (torch's
+packing is private and differs by CPU capability), and runs as a dense matmul.
 """
 
 from __future__ import annotations
