@@ -105,7 +105,7 @@ def test_fast_tier_meets_the_fidelity_bar_on_long_prompts(smollm2_hf, fast_llm):
 
 
 # The fast tier's logits differ from fp32 by bf16 rounding through the stack (2^-8 relative, on
-# logits up to |31|, measured up to ~0.3 nats on a logprob): a split between the tiers' greedy
+# logits up to |31|, measured up to 0.44 nats on a logprob): a split between the tiers' greedy
 # outputs is legitimate only where the exact tier's top two lie closer than that.
 TIER_SPLIT_GAP = 0.5
 

@@ -117,6 +117,25 @@ def test_kernel_rows_do_not_interact(bits):
         assert torch.equal(torch.cat([layer(x[i : i + rows]) for i in range(0, len(x), rows)]), whole)
 
 
+def test_the_dense_path_runs_fp32_where_bf16_has_no_instructions(monkeypatch):
+    """On a CPU without bf16 instructions (AVX2) the dense prefill matmul runs in fp32 on the same
+    values; its output is still bf16, and closer to the exact product than the bf16 GEMM's."""
+    from verispec.models import linear
+
+    g = torch.Generator().manual_seed(9)
+    q = quantize_rtn(torch.randn(96, 128, generator=g), 4)
+    layer = make_linear(q, torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(100, 128, generator=g).bfloat16()
+    ref = x.float() @ q.dequantize().t()
+    linear._bf16_matmul_native.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert linear.dense_matmul_dtype(x) == torch.float32
+    y = layer(x)
+    assert y.dtype == torch.bfloat16
+    assert ((y.float() - ref).abs() <= _bound(x.float(), q.dequantize(), 2.0)).all()
+    linear._bf16_matmul_native.cache_clear()
+
+
 def test_a_matrix_the_kernels_cannot_take_runs_dense():
     q = quantize_rtn(torch.randn(16, 64), 4)
     q = QuantizedWeight(4, q.codes[:, :48], q.scale[:, :1].repeat(1, 3), q.offset[:, :1].repeat(1, 3), 16)
