@@ -11,6 +11,7 @@ completion one token at a time, so the figures cover the step the engine really 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,38 +83,31 @@ def verispec_logprobs(model: Any, prompt: list[int], completion: list[int]) -> t
     return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
-def compare(ref: torch.Tensor, ours: torch.Tensor, tokens: list[int]) -> tuple[float, int, float]:
-    """(summed KL, top-1 matches, max |logprob diff| on `tokens`) over the rows of one sequence."""
+def compare(ref: torch.Tensor, ours: torch.Tensor, tokens: list[int]) -> Fidelity:
+    """The rows of one sequence: mean KL, top-1 agreement and max |logprob diff| on `tokens`."""
     kl = (ref.exp() * (ref - ours)).sum(-1)
-    top1 = int((ref.argmax(-1) == ours.argmax(-1)).sum())
+    top1 = (ref.argmax(-1) == ours.argmax(-1)).double().mean()
     idx = torch.tensor(tokens)[:, None]
     diff = (ref.gather(1, idx) - ours.gather(1, idx)).abs().max()
-    return float(kl.sum()), top1, float(diff)
+    return Fidelity(len(tokens), float(kl.mean()), float(top1), float(diff))
 
 
 def measure_prompt_rows(hf_model: Any, model: Any, prompts: list[list[int]]) -> Fidelity:
     """Fidelity on the prompts' own rows (prompt logprobs, as an evaluator scores): each prompt in
     one chunk, so past the quantized kernels' row limit verispec runs its dense prefill path."""
-    kl_sum, matches, worst, count = 0.0, 0, 0.0, 0
-    for prompt in prompts:
-        body, targets = prompt[:1], prompt[1:]  # the rows for tokens 1.. of the prompt
-        ref = hf_logprobs(hf_model, body, targets)
-        ours = verispec_logprobs(model, prompt[:-1], [])
-        kl, top1, diff = compare(ref, ours, targets)
-        kl_sum, matches, worst, count = kl_sum + kl, matches + top1, max(worst, diff), count + len(targets)
-    return Fidelity(count, kl_sum / count, matches / count, worst)
+    parts = [compare(hf_logprobs(hf_model, p[:1], p[1:]), verispec_logprobs(model, p[:-1], []), p[1:])
+             for p in prompts]  # the rows for tokens 1.. of each prompt
+    return functools.reduce(Fidelity.pooled, parts)
 
 
 def measure(hf_model: Any, model: Any, prompts: list[list[int]], max_tokens: int) -> Fidelity:
     """Fidelity of verispec's `model` against `hf_model` over HF's greedy continuations."""
-    kl_sum, matches, worst, count = 0.0, 0, 0.0, 0
+    parts = []
     for prompt in prompts:
         completion = hf_greedy(hf_model, prompt, max_tokens)
-        if not completion:
-            continue
-        kl, top1, diff = compare(hf_logprobs(hf_model, prompt, completion),
-                                 verispec_logprobs(model, prompt, completion), completion)
-        kl_sum, matches, worst, count = kl_sum + kl, matches + top1, max(worst, diff), count + len(completion)
-    if count == 0:
+        if completion:
+            parts.append(compare(hf_logprobs(hf_model, prompt, completion),
+                                 verispec_logprobs(model, prompt, completion), completion))
+    if not parts:
         raise ValueError("HF generated no tokens for any prompt")
-    return Fidelity(count, kl_sum / count, matches / count, worst)
+    return functools.reduce(Fidelity.pooled, parts)

@@ -35,14 +35,17 @@ class RuntimeInfo:
             compiled=compiled,
         )
 
+    @property
+    def step(self) -> str:
+        return "compiled" if self.compiled else "eager"
+
     def line(self) -> str:
-        step = "compiled" if self.compiled else "eager"
         return (f"verispec: {self.tier} tier ({self.precision}) on {self.cpu_capability}, kernels {self.kernels}, "
-                f"{step} step")
+                f"{self.step} step")
 
     def labels(self) -> dict[str, str]:
         return {"tier": self.tier, "precision": self.precision, "cpu_capability": self.cpu_capability,
-                "kernels": self.kernels, "step": "compiled" if self.compiled else "eager"}
+                "kernels": self.kernels, "step": self.step}
 
 
 def tier_name(dtype: torch.dtype, quantization: str | None) -> str:

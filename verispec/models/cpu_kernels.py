@@ -117,7 +117,6 @@ def _key(cxx: str, level: str) -> str:
 class BuildFailed(RuntimeError):
     def __init__(self, level: str, cause: str, log: Path):
         super().__init__(f"the {level} build failed ({cause}); compiler output in {log}")
-        self.level, self.cause, self.log = level, cause, log
 
 
 def _first_error(output: str) -> str:

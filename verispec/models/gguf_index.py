@@ -31,12 +31,17 @@ class GGUFTensor:
     n_bytes: int
 
 
+def file_key(path: Path, *extra: str) -> str:
+    """A cache key for what was derived from the file at `path`: its path, size and mtime."""
+    stat = path.stat()
+    return hashlib.sha256(":".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), *extra]).encode()
+                          ).hexdigest()[:16]
+
+
 def read_index(path: Path, config_of: Callable[[Any], ModelConfig],
                cache: Path | None) -> tuple[ModelConfig, list[GGUFTensor]]:
     """The file's config (`config_of(reader)` on a first read) and tensor table."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_VERSION}".encode()).hexdigest()[:16]
-    cached = cache / "gguf" / f"{key}.json" if cache is not None else None
+    cached = cache / "gguf" / f"{file_key(path, str(_VERSION))}.json" if cache is not None else None
     if cached is not None and cached.exists():
         try:
             saved = json.loads(cached.read_text())

@@ -9,7 +9,6 @@ round-to-nearest codes of an HF checkpoint's matrices).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 
 from verispec.models.config import ModelConfig
-from verispec.models.gguf_index import read_index
+from verispec.models.gguf_index import file_key, read_index
 from verispec.models.quant import GROUP_SIZE, QuantizedWeight, from_gguf_blocks, quantize_rtn
 
 _EXACT_GGUF = ("Q4_0", "Q4_1", "Q8_0")  # decoded into QuantizedWeight without rounding
@@ -278,9 +277,7 @@ def load_tokenizer(model: str):
     if path.is_dir():
         has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
         return AutoTokenizer.from_pretrained(str(path)) if has_tok else None
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "tokenizers" / key
+    cached = cache_dir() / "tokenizers" / file_key(path)
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
