@@ -16,7 +16,7 @@ import zmq
 from verispec import LLM, SamplingParams
 from verispec.engine.core import EngineCore, params_to_wire
 from verispec.engine.core_client import AsyncEngineClient
-from verispec.engine.core_protocol import AddRequest, CompletionDelta, CoreOutputs, RequestDelta, Shutdown
+from verispec.engine.core_protocol import AddRequest, AddRequests, CompletionDelta, CoreOutputs, RequestDelta, Shutdown
 
 GOOD = dict(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -48,8 +48,8 @@ def wired(tiny_llama):
     asyncio.run(client.shutdown())
 
 
-async def _collect(client: AsyncEngineClient, rid: str, params: SamplingParams) -> list:
-    return [delta async for delta in client.generate(rid, [5, 6, 7], params)]
+async def _collect(client: AsyncEngineClient, rid: str, params: SamplingParams, group: str | None = None) -> list:
+    return [delta async for delta in client.generate(rid, [5, 6, 7], params, group=group)]
 
 
 def test_a_request_that_cannot_be_encoded_fails_alone(wired, monkeypatch):
@@ -124,3 +124,29 @@ def test_the_core_fails_an_unencodable_output_alone(tiny_llama):
     by_id = {d.request_id: d for d in msg.deltas}
     assert by_id["ok"] == ok
     assert by_id["bad"].finished and "could not be sent" in by_id["bad"].error
+
+
+def test_a_group_travels_from_the_client_to_the_core(wired, monkeypatch):
+    client, _ = wired
+    sent = []
+    original = client._queue_add
+    monkeypatch.setattr(client, "_queue_add", lambda add: (sent.append((add.request_id, add.group)), original(add)))
+
+    async def scenario():
+        client._tasks = [asyncio.create_task(client._output_loop())]
+        tasks = [asyncio.create_task(_collect(client, "a", SamplingParams(**GOOD), group="http-1")),
+                 asyncio.create_task(_collect(client, "b", SamplingParams(**GOOD)))]
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    for deltas in asyncio.run(scenario()):
+        assert deltas[-1].finished and deltas[-1].error is None
+    assert sent == [("a", "http-1"), ("b", None)]
+
+
+def test_the_core_gives_the_group_to_every_child(tiny_llama):
+    engine = LLM(tiny_llama).engine
+    core = EngineCore(engine, None, None)
+    two, one = params_to_wire(SamplingParams(**GOOD, n=2)), params_to_wire(SamplingParams(**GOOD))
+    adds = AddRequests([AddRequest("a", [5, 6, 7], two, group="http-1"), AddRequest("b", [5, 6, 7], one)])
+    assert core.receive(msgspec.msgpack.encode(adds)) == ([], True)
+    assert {r.request_id: r.group for r in engine.scheduler.waiting} == {"a#0": "http-1", "a#1": "http-1", "b": "b"}

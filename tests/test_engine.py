@@ -192,3 +192,38 @@ def test_a_failing_request_does_not_sink_the_batch(tiny_llama, spec):
     # The engine keeps serving afterwards.
     again = llm.generate(prompts[0], params[0], use_tqdm=False)[0]
     assert again.outputs[0].token_ids == clean[0].outputs[0].token_ids
+
+
+def test_a_group_reaches_every_child(tiny_llama):
+    engine = LLM(tiny_llama).engine
+    two = SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("r", [5, 6, 7], two, group="client-1")
+    engine.add_request("s", [5, 6, 7], SamplingParams(max_tokens=2), group="client-1")
+    engine.add_request("t", [5, 6, 7], two)  # no group: its own
+    groups = {r.request_id: r.group for r in engine.scheduler.waiting}
+    assert groups == {"r#0": "client-1", "r#1": "client-1", "s": "client-1", "t#0": "t", "t#1": "t"}
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_fair_share_preemption_keeps_every_output(tiny_llama):
+    llm = LLM(tiny_llama, max_num_seqs=4, block_size=4)
+    prompts = random_prompts(6, 5, 20, seed=9)
+    expected = token_ids(llm.generate(prompts + [[5, 6, 7]], GREEDY, use_tqdm=False))
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"big-{i}", p, GREEDY, group="big")
+    done = {}
+
+    def step():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+
+    step()
+    step()
+    engine.add_request("small", [5, 6, 7], GREEDY)
+    step()  # big holds all 4 slots: its latest admitted makes room for small at once
+    assert "small" in [r.request_id for r in engine.scheduler.running]
+    assert engine.stats()["num_preemptions"] == 1
+    while engine.has_unfinished_requests():
+        step()
+    assert [done[f"big-{i}"] for i in range(6)] + [done["small"]] == expected

@@ -308,23 +308,62 @@ def test_packed_and_unpacked_masks_agree():
 
 
 def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
-    """A mask that runs out of llguidance's per-step budget is an error for that request only; the
-    rest of the batch carries on."""
-    import llguidance
-
+    """A mask that runs out of llguidance's per-step budget after the checks is an error for that
+    request only, the client's (error_kind "invalid"); the rest of the batch carries on."""
+    from verispec.config import GrammarLimits
     from verispec.sample.grammar import GrammarCompiler
 
     llm = LLM(tiny_tok, dtype="float32", num_kv_blocks=64)
     eng = llm.engine
-    eng.grammars = GrammarCompiler(eng.tokenizer, eng.vocab_size, eng.eos_token_ids,
-                                   limits=llguidance.LLParserLimits(step_max_items=5))
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    eng.grammars = GrammarCompiler(eng.tokenizer, eng.vocab_size, eng.eos_token_ids, GrammarLimits(step_max_items=5))
+    # A grammar the checks would refuse, planted in the compiled cache: it stands for one whose
+    # first steps pass and a later one runs out.
+    import llguidance
+
+    from verispec.sample.grammar import _parser_limits
+
+    text = json.dumps(schema, sort_keys=True)
+    eng.grammars._compiled[("json", text)] = llguidance.LLMatcher(
+        eng.grammars._tokenizer(), llguidance.grammar_from("json_schema", text), log_level=0,
+        limits=_parser_limits(eng.grammars.limits))
     outs = llm.generate([[1, 5, 6], [1, 5, 7]], [
-        SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "string"}}}}),
+        SamplingParams(max_tokens=8, structured_outputs={"json": schema}),
         SamplingParams(max_tokens=4, temperature=0),
     ], use_tqdm=False)
     assert outs[0].error is not None and "structured output failed" in outs[0].error
+    assert outs[0].error_kind == "invalid"
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
     assert not eng.has_unfinished_requests() and eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
+REF_LOOP = {"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"$ref": "#/definitions/a"}}}
+
+
+@pytest.mark.parametrize("so, message", [
+    ({"json": REF_LOOP}, "NoExtensionBias"),  # found by the first mask
+    ({"regex": "(a{1000}){1000}"}, "too many expressions"),  # found one step later
+    ({"choice": [f"item{i}" for i in range(1001)]}, "at most 1000"),  # GrammarLimits.max_choices
+    ({"regex": "a" * ((128 << 10) + 1)}, "bytes; this server accepts at most"),  # GrammarLimits.max_bytes
+])
+def test_grammars_past_the_limits_are_refused_before_anything_is_queued(engines, so, message):
+    eng = engines[False].engine
+    with pytest.raises(ValueError, match=message):
+        eng.add_request("hostile", [1, 5, 6], SamplingParams(max_tokens=4, structured_outputs=so))
+    assert not eng.has_unfinished_requests()
+
+
+def test_a_choice_row_past_llguidances_items_is_found_by_the_probe(tiny_tok):
+    from llguidance.hf import from_tokenizer  # noqa: F401 - the probe needs llguidance's tokenizer
+
+    from verispec.config import GrammarLimits
+    from verispec.models.loader import load_tokenizer
+    from verispec.sample.grammar import GrammarCompiler, GrammarError
+
+    compiler = GrammarCompiler(load_tokenizer(tiny_tok), 49152, frozenset({2}), GrammarLimits(max_choices=5000))
+    with pytest.raises(GrammarError, match="items; max is 2000"):
+        compiler.matcher(StructuredOutputsParams(choice=[f"item{i}" for i in range(3000)]))
+    assert compiler.matcher(StructuredOutputsParams(choice=[f"item{i}" for i in range(1000)])) is not None
 
 
 def test_min_tokens_with_a_grammar_is_refused_and_a_refused_token_fails_only_its_request(engines):

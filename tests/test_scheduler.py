@@ -1,4 +1,5 @@
-"""The scheduler on its own: token budget, chunked prefill, admission cap, drafts, preemption."""
+"""The scheduler on its own: token budget, chunked prefill, admission cap, drafts, preemption, and
+fairness between groups (the client requests engine requests belong to)."""
 
 from __future__ import annotations
 
@@ -6,27 +7,40 @@ from verispec import SamplingParams
 from verispec.config import LogprobsMode
 from verispec.engine.kv_cache import BlockPool
 from verispec.engine.request import Request, RequestStatus
-from verispec.engine.scheduler import Scheduler
+from verispec.engine.scheduler import Scheduler, SchedulerOutput
 from verispec.sample.noise import RequestNoise
 
 BLOCK = 4
 
 
-def make_request(rid: str, prompt_len: int) -> Request:
+def make_request(rid: str, prompt_len: int, group: str | None = None) -> Request:
     return Request(request_id=rid, prompt=None, prompt_token_ids=list(range(3, 3 + prompt_len)),
                    params=SamplingParams(), logprobs_mode=LogprobsMode.RAW_LOGPROBS, noise=RequestNoise(0),
-                   stop_ids=frozenset(), max_tokens=100)
+                   stop_ids=frozenset(), max_tokens=100, group=group or "")
 
 
 def run_step(sched: Scheduler) -> dict[str, tuple[int, bool, list[int]]]:
     """Schedules one step and applies it as the engine would (computed tokens advance; a sampled
     request gets one new token). Returns rid -> (new tokens, samples, drafts)."""
-    out = sched.schedule()
+    return scheduled(apply(sched.schedule()))
+
+
+def apply(out: SchedulerOutput) -> SchedulerOutput:
     for s in out.scheduled:
         s.request.num_computed_tokens += s.num_new_tokens
         if s.samples:
             s.request.token_ids.append(1)
+    return out
+
+
+def scheduled(out: SchedulerOutput) -> dict[str, tuple[int, bool, list[int]]]:
+    """rid -> (new tokens, samples, drafts), in the order the step scheduled them."""
     return {s.request.request_id: (s.num_new_tokens, s.samples, s.draft_token_ids) for s in out.scheduled}
+
+
+def finish(sched: Scheduler, req: Request) -> None:
+    req.status = RequestStatus.FINISHED_STOPPED
+    sched.finish(req)
 
 
 def test_chunked_prefill_within_the_budget_running_first():
@@ -104,3 +118,108 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     skipped = sched.schedule()
     assert sched.update_from_output(skipped, StepResult(sampled={"a": [80]}), output, skip={"a"}) == []
     assert a.output_token_ids == [50, 60, 70]  # a skipped request takes nothing from the step
+
+
+# ------------------------------------------------------------------ fairness between groups
+def add_group(sched: Scheduler, group: str, n: int, prompt_len: int = 2) -> list[Request]:
+    reqs = [make_request(f"{group}-{i}", prompt_len, group) for i in range(n)]
+    for r in reqs:
+        sched.add(r)
+    return reqs
+
+
+def test_a_later_group_takes_the_first_free_room_before_the_rest_of_an_earlier_one():
+    # Room by the token budget: each 10-token prompt of "big" fills a step's budget alone.
+    sched = Scheduler(BlockPool(256, BLOCK), max_num_seqs=8, max_num_batched_tokens=10)
+    add_group(sched, "big", 20, prompt_len=10)
+    assert list(run_step(sched)) == ["big-0"]
+    add_group(sched, "small", 1)
+    # big-0 decodes; of the 9 tokens left, small (no running sequence) goes before big-1.
+    # FIFO would give all 9 to big-1 and leave small behind the other 19.
+    assert run_step(sched) == {"big-0": (1, True, []), "small-0": (2, True, []), "big-1": (7, False, [])}
+    assert [r.request_id for r in sched.waiting] == [f"big-{i}" for i in range(2, 20)]
+
+    # Room by max_num_seqs: a slot frees as the newcomer arrives; it gets it, not big-4.
+    sched = Scheduler(BlockPool(256, BLOCK), max_num_seqs=4, max_num_batched_tokens=100)
+    big = add_group(sched, "big", 20)
+    assert list(run_step(sched)) == ["big-0", "big-1", "big-2", "big-3"]
+    add_group(sched, "small", 1)
+    finish(sched, big[0])
+    out = apply(sched.schedule())
+    assert list(scheduled(out)) == ["big-1", "big-2", "big-3", "small-0"] and out.preempted == []
+    assert [r.request_id for r in sched.waiting] == [f"big-{i}" for i in range(4, 20)]
+
+
+def test_a_starved_group_gets_a_slot_by_preempting_the_big_groups_latest():
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=100)
+    big = add_group(sched, "big", 6, prompt_len=3)
+    assert list(run_step(sched)) == ["big-0", "big-1", "big-2", "big-3"]
+    run_step(sched)  # all four decode
+    (new,) = add_group(sched, "new", 1)
+    out = apply(sched.schedule())
+    # big holds 4 slots, more than its share (4 // 2 groups): its latest admitted makes room.
+    assert out.preempted == ["big-3"] and list(scheduled(out)) == ["big-0", "big-1", "big-2", "new-0"]
+    victim = big[3]
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert victim.num_preemptions == 1 and sched.num_preemptions == 1
+    assert sched.pool.table("big-3") == []
+    assert [r.request_id for r in sched.waiting] == ["big-3", "big-4", "big-5"]  # back first in its group
+    # Two each now: no more preemptions while the share holds.
+    assert apply(sched.schedule()).preempted == []
+    finish(sched, new)
+    step = run_step(sched)
+    assert step["big-3"] == (5, True, [])  # recomputes its prompt and the 2 tokens it had
+    assert victim.status == RequestStatus.RUNNING and sched.num_preemptions == 1
+
+
+def test_equal_groups_alternate_admission():
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=100)
+    add_group(sched, "a", 4)
+    add_group(sched, "b", 4)
+    assert list(run_step(sched)) == ["a-0", "b-0", "a-1", "b-1", "a-2", "b-2", "a-3", "b-3"]
+
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=2, max_num_batched_tokens=100)
+    a, b = add_group(sched, "a", 3), add_group(sched, "b", 3)
+    assert list(run_step(sched)) == ["a-0", "b-0"]
+    for i in (1, 2):  # each finishing pair lets the next of each group in
+        finish(sched, a[i - 1])
+        finish(sched, b[i - 1])
+        assert list(run_step(sched)) == [f"a-{i}", f"b-{i}"]
+
+
+def test_a_single_group_stays_fifo_and_a_preempted_request_goes_back_first():
+    pool = BlockPool(5, BLOCK)  # 20 token slots
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_request("a", 8, "g"), make_request("b", 8, "g")
+    c, d = make_request("c", 2, "g"), make_request("d", 2, "g")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    sched.add(c)
+    sched.add(d)
+    out = apply(sched.schedule())  # as test_a_short_pool_...: b is preempted for a's next block
+    assert out.preempted == ["b"] and list(scheduled(out)) == ["a"]
+    assert [r.request_id for r in sched.waiting] == ["b", "c", "d"]
+    assert (b.arrival, c.arrival) == (1, 2)  # b keeps its place from its first arrival
+    finish(sched, a)
+    assert list(run_step(sched)) == ["b", "c", "d"]
+    assert [r.group for r in sched.running] == ["g", "g", "g"]
+
+
+def test_no_preemption_while_each_group_holds_its_share():
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=100)
+    add_group(sched, "a", 4)
+    add_group(sched, "b", 2)
+    assert list(run_step(sched)) == ["a-0", "b-0", "a-1", "b-1"]  # two each: FIFO would run a-0..a-3
+    for _ in range(3):  # a still waits for more, but holds its share (4 // 2) and is not starved
+        out = apply(sched.schedule())
+        assert out.preempted == [] and len(out.scheduled) == 4
+    assert [r.request_id for r in sched.waiting] == ["a-2", "a-3"]
+    # Single sequences are never preempted for fairness: a newcomer waits for a free slot.
+    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=2, max_num_batched_tokens=100)
+    x, y, z = make_request("x", 2), make_request("y", 2), make_request("z", 2, "late")
+    for r in (x, y, z):
+        sched.add(r)
+    run_step(sched)
+    assert apply(sched.schedule()).preempted == [] and z.group == "late" and x.group == "x"
+    assert sched.num_preemptions == 0

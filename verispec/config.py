@@ -7,7 +7,7 @@ never look at keyword arguments themselves, so a default lives in exactly one pl
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -157,6 +157,23 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+@dataclass(slots=True, frozen=True)
+class GrammarLimits:
+    """What one request's grammar may cost. The engine core and the server's frontend check with
+    the same values (`EngineConfig.grammar_limits`), so what the frontend accepts the core compiles."""
+
+    max_bytes: int = 128 << 10  # the grammar's text: a schema as JSON, a regex, a grammar, the choices as JSON
+    max_choices: int = 1000  # a choice list is one parser row, and llguidance's rows hold max_items_in_row
+    timeout_s: float = 10.0  # the frontend's wall-clock bound on compiling and checking one grammar
+    # llguidance's parser limits (llguidance.LLParserLimits), at its defaults.
+    max_items_in_row: int = 2000
+    initial_lexer_fuel: int = 1_000_000
+    step_lexer_fuel: int = 200_000
+    step_max_items: int = 50_000
+    max_lexer_states: int = 250_000
+    max_grammar_size: int = 500_000
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Resolved engine options. Built by `LLM` from its keyword arguments."""
@@ -189,6 +206,7 @@ class EngineConfig:
     prompt_logprobs_cache_bytes: int = 64 << 20
     # Ranks the model is sharded over (verispec/distributed, docs/scaling.md); 1: one process.
     tensor_parallel_size: int = 1
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     @classmethod
     def create(
@@ -228,5 +246,11 @@ class EngineConfig:
         budget = self.prompt_logprobs_cache_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"prompt_logprobs_cache_bytes must be an integer >= 0; got {budget!r}")
+        for name in ("max_bytes", "max_choices", "max_items_in_row"):
+            value = getattr(self.grammar_limits, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"grammar_limits.{name} must be an integer >= 1; got {value!r}")
+        if not self.grammar_limits.timeout_s > 0:
+            raise ValueError(f"grammar_limits.timeout_s must be > 0; got {self.grammar_limits.timeout_s!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1; got {self.max_logprobs!r}")

@@ -45,6 +45,7 @@ class RequestOutput:
     finished: bool
     # Set when the request failed inside the engine (its outputs stop where it failed).
     error: str | None = None
+    error_kind: str | None = None  # "invalid": the client's input (its grammar hit a limit); else "internal"
 
     def to_dict(self) -> dict[str, Any]:
         def conv(obj):

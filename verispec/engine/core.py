@@ -111,7 +111,8 @@ class DeltaTracker:
         if out.finished:
             self.forget(out.request_id)
         if out.error is not None:
-            return RequestDelta(out.request_id, completions, True, prompt, error=out.error, error_kind="internal")
+            return RequestDelta(out.request_id, completions, True, prompt, error=out.error,
+                                error_kind=out.error_kind or "internal")
         return RequestDelta(out.request_id, completions, out.finished, prompt)
 
 
@@ -197,7 +198,7 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             try:
                 params = SamplingParams(**msg.params)
-                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+                self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, group=msg.group)
             except (ValueError, TypeError) as exc:
                 return [RequestDelta(msg.request_id, [], True, error=str(exc), error_kind="invalid")], True
             self.tracker.start(msg.request_id, params)

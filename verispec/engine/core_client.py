@@ -114,10 +114,11 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ requests
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
     ) -> AsyncIterator[RequestDelta]:
         """Yields the request's deltas until it finishes. Leaving early (a disconnect, a cancelled
-        task) aborts it in the core, which frees its KV blocks."""
+        task) aborts it in the core, which frees its KV blocks. `group`: the client request it
+        belongs to (default: itself), between which the core shares its slots fairly."""
         if self.dead:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._queues:
@@ -126,7 +127,7 @@ class AsyncEngineClient:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._queue_add(AddRequest(request_id, prompt_token_ids, params_to_wire(params)))
+            self._queue_add(AddRequest(request_id, prompt_token_ids, params_to_wire(params), group))
             while True:
                 item = await queue.get()
                 if isinstance(item, EngineDeadError):

@@ -21,6 +21,8 @@ class AddRequest(msgspec.Struct, tag="add"):
     # SamplingParams' public fields, already validated by the frontend; the core rebuilds and
     # re-validates them (SamplingParams.__post_init__), so nothing unchecked reaches the engine.
     params: dict[str, Any]
+    # The client request it belongs to (None: itself): the core shares its slots fairly between groups.
+    group: str | None = None
 
 
 class AddRequests(msgspec.Struct, tag="add_many"):

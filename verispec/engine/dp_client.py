@@ -292,7 +292,7 @@ class DPEngineClient:
 
     # ------------------------------------------------------------------ requests
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, group: str | None = None
     ) -> AsyncIterator[RequestDelta]:
         """The request's deltas from the replica it was routed to. A replica that dies under it
         fails it with EngineDeadError (not retried elsewhere: it may have streamed already)."""
@@ -306,7 +306,7 @@ class DPEngineClient:
         try:
             # aclosing: leaving this generator closes the replica's at once, whose `finally`
             # aborts the request in its core.
-            async with aclosing(self.replicas[rank].generate(request_id, prompt_token_ids, params)) as deltas:
+            async with aclosing(self.replicas[rank].generate(request_id, prompt_token_ids, params, group)) as deltas:
                 async for delta in deltas:
                     yield delta
         finally:

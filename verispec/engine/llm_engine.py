@@ -26,12 +26,13 @@ from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.cpu_kernels import kernel_build
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
 from verispec.outputs import RequestOutput
-from verispec.sample.grammar import GrammarCompiler
+from verispec.sample.grammar import GrammarCompiler, GrammarFailed
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 from verispec.spec_decode.drafter import make_drafter
 from verispec.spec_decode.metrics import SpecDecodeMetrics
+from verispec.tokenization import text_encoder
 
 logger = logging.getLogger("verispec")
 
@@ -48,6 +49,7 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[Request] = field(default_factory=list)
     error: str | None = None  # set when the request raised inside the engine
+    error_kind: str = "internal"  # or "invalid": the client's input failed (a grammar past its limits)
 
 
 class LLMEngine:
@@ -126,7 +128,7 @@ class LLMEngine:
         logger.info("%s", self.runtime.line())
         logger.info("%s", self.startup.summary())
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_limits)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self.num_steps = 0
@@ -172,8 +174,11 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        group: str | None = None,
     ) -> None:
+        """`group`: the client request this one belongs to (default: itself); the scheduler shares
+        the running slots fairly between groups. Every child (n > 1) is in the same group."""
         params = SamplingParams() if params is None else params.clone()
         params._validate()  # fields may have been changed since construction
         if request_id in self._parents:
@@ -219,6 +224,7 @@ class LLMEngine:
                 # The others wait for the first to cache the prompt, then hit it.
                 prefill_leader=parent.children[0] if i > 0 else None,
                 grammar=grammars[i],
+                group=group or request_id,
             )
             parent.children.append(req)
             self._child_parent[child_id] = request_id
@@ -242,11 +248,11 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model has none")
         seqs = []
-        for word in words:
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
+        variants = [v for word in words for v in (word, " " + word.lstrip())]
+        # Special-token text in a bad word is text: banning "<|im_end|>" must not ban the control token.
+        for ids in text_encoder(self.tokenizer).encode(variants, special_tokens=False):
+            if ids and ids not in seqs:
+                seqs.append(ids)
         return seqs
 
     def abort_request(self, request_id: str) -> None:
@@ -299,8 +305,8 @@ class LLMEngine:
         parents = [self._child_parent[s.request.request_id] for s in sched.scheduled if s.request.request_id in changed]
         return [self._parent_output(pid) for pid in dict.fromkeys(parents)]
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[StepResult, dict[str, str]]:
-        """The step's results, and the requests that failed (id -> error) when the batch raised."""
+    def _execute(self, sched: SchedulerOutput) -> tuple[StepResult, dict[str, tuple[str, str]]]:
+        """The step's results, and the requests that failed (id -> (error, kind)) when the batch raised."""
         try:
             return self.runner.execute(sched), {}
         except WorkerDiedError:  # the tensor-parallel group is gone: nothing to retry on
@@ -308,16 +314,16 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - isolated below; one request must not sink the batch
             return self._execute_isolated(sched, exc)
 
-    def _fail_requests(self, sched: SchedulerOutput, failed: dict[str, str]) -> set[str]:
+    def _fail_requests(self, sched: SchedulerOutput, failed: dict[str, tuple[str, str]]) -> set[str]:
         """Fails each request that raised, with its siblings (n > 1); returns the ids of every
         scheduled request that must not take this step's results."""
         for s in sched.scheduled:
             if s.request.request_id in failed:
-                self._fail(s.request, failed[s.request.request_id])
+                self._fail(s.request, *failed[s.request.request_id])
         return {s.request.request_id for s in sched.scheduled
                 if self._parents[self._child_parent[s.request.request_id]].error is not None}
 
-    def _execute_isolated(self, sched: SchedulerOutput, exc: Exception) -> tuple[StepResult, dict[str, str]]:
+    def _execute_isolated(self, sched: SchedulerOutput, exc: Exception) -> tuple[StepResult, dict[str, tuple[str, str]]]:
         """The batch's step raised. Runs each scheduled request alone to find the one(s) at fault:
         those fail, the rest get this step's results from their solo runs and carry on."""
         logger.warning("engine step failed (%s: %s); retrying its %d requests one by one",
@@ -333,17 +339,21 @@ class LLMEngine:
                     part_exc = None
                 except Exception as e:  # noqa: BLE001
                     part_exc = e
-            if part_exc is not None:
+            if isinstance(part_exc, GrammarFailed):  # the client's grammar hit a limit: no bug to trace
+                logger.warning("request %s failed: %s", rid, part_exc)
+                failed[rid] = (str(part_exc), "invalid")
+            elif part_exc is not None:
                 logger.error("request %s failed: %s", rid, "".join(traceback.format_exception(part_exc)))
-                failed[rid] = f"{type(part_exc).__name__}: {part_exc}"
+                failed[rid] = (f"{type(part_exc).__name__}: {part_exc}", "internal")
+            if part_exc is not None:
                 continue
             merged.update(part)
         return merged, failed
 
-    def _fail(self, req: Request, message: str) -> None:
+    def _fail(self, req: Request, message: str, kind: str = "internal") -> None:
         """A request that raised inside the engine: it and its siblings (n > 1) finish with an error."""
         parent = self._parents[self._child_parent[req.request_id]]
-        parent.error = message
+        parent.error, parent.error_kind = message, kind
         for child in parent.children:
             if not child.is_finished:
                 child.status = RequestStatus.FINISHED_ABORTED
@@ -365,6 +375,7 @@ class LLMEngine:
             outputs=outputs,
             finished=finished,
             error=parent.error,
+            error_kind=parent.error_kind if parent.error is not None else None,
         )
 
     def stats(self) -> dict:

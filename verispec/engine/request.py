@@ -66,10 +66,16 @@ class Request:
     pending_prompt_rows: "tuple[int, LogprobsLists] | None" = None
     prefill_leader: "Request | None" = None
     grammar: "RequestGrammar | None" = None  # structured output: the matcher at the end of the output
+    # The client request it belongs to (empty: its own id). The scheduler shares the running slots
+    # fairly between groups, so one request of 3,000 prompts cannot starve a later one.
+    group: str = ""
+    arrival: int = -1  # queue order, set when first queued; a preempted request keeps its place
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if not self.group:
+            self.group = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

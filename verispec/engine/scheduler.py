@@ -10,17 +10,23 @@ exactly the output it would have had.
 
 With prefix caching a request is admitted with its longest cached prefix already computed (its
 own blocks too, after a preemption), and each step caches the blocks its requests filled.
+
+Admission is fair between groups (the client requests engine requests belong to, see waiting.py):
+the next admitted is the head of the group with the fewest running sequences. When every slot is
+taken and a waiting group runs nothing, the group holding the most gives up its latest admitted
+sequence (a fair-share preemption), if it holds more than its share.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from verispec.engine.kv_cache import BlockPool
 from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.request import Request, RequestStatus
+from verispec.engine.waiting import WaitingQueue
 from verispec.spec_decode.metrics import SpecDecodeMetrics
 
 if TYPE_CHECKING:  # the runner imports this module
@@ -64,7 +70,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(pool, "", enabled=False)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.spec_metrics = spec_metrics if spec_metrics is not None else SpecDecodeMetrics(0)
@@ -78,6 +84,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        running = Counter(r.group for r in self.running)  # running sequences per group
+        self._preempt_for_starved(out, running)
+        num_fair = len(out.preempted)
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -92,15 +101,38 @@ class Scheduler:
             out.scheduled.append(entry)
             budget -= num_new + len(spec)
             i += 1
-        if not out.preempted:  # a short pool admits nobody new this step
-            self._admit(out, budget)
+        if len(out.preempted) == num_fair:  # a short pool admits nobody new this step
+            self._admit(out, budget, running)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Admits waiting requests in order while the budget, max_num_seqs and the pool allow."""
+    def _preempt_for_starved(self, out: SchedulerOutput, running: Counter[str]) -> None:
+        """Fair share: when every slot is taken, each waiting group that runs nothing gets one from
+        the group holding the most (its latest admitted), while that group holds more than
+        max_num_seqs // groups with work, and at least 2. One per starved group per step, and a
+        victim's group still runs one, so it cannot thrash."""
+        # O(running groups): the waiting groups are only counted, never listed.
+        both = sum(1 for g in running if self.waiting.has_group(g))
+        starved = self.waiting.num_groups - both
+        short = starved - (self.max_num_seqs - len(self.running))
+        if short <= 0 or not running:
+            return
+        share = self.max_num_seqs // (self.waiting.num_groups + len(running) - both)
+        for _ in range(short):
+            most = max(running.values())
+            if most < 2 or most <= share:
+                return
+            victim = next(r for r in reversed(self.running) if running[r.group] == most)
+            self.running.remove(victim)
+            running[victim.group] -= 1
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+
+    def _admit(self, out: SchedulerOutput, budget: int, running: Counter[str]) -> None:
+        """Admits waiting requests, fewest-running group first, while the budget, max_num_seqs and
+        the pool allow."""
         held = []  # n > 1: siblings waiting for their leader's prompt to be cached, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting.popleft()
+            req = self.waiting.pop_fairest(running)
             if self._waits_for_leader(req):
                 held.append(req)
                 continue
@@ -114,6 +146,7 @@ class Scheduler:
             self.prefix_cache.admitted(req, hit)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            running[req.group] += 1
             entry = self._entry(req, num_new)
             entry.cached_prompt_rows = hit.prompt_rows
             out.scheduled.append(entry)

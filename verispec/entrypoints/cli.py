@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS
+from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, GrammarLimits
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +80,18 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="longest prompt accepted (default: the context length less one)")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body (413 above)")
+    p.add_argument("--max-pending-sequences", type=int, default=1024,
+                   help="sequences (prompts x n) admitted at once over all requests; more get 503 with Retry-After")
+    p.add_argument("--max-request-sequences", type=int, default=256,
+                   help="sequences (prompts x n) one request may ask for (400 above)")
+    p.add_argument("--open-tokenizer-routes", action="store_true",
+                   help="/tokenize and /detokenize without the API key (for lm-eval's remote tokenizer)")
+    limits = GrammarLimits()
+    p.add_argument("--max-grammar-bytes", type=int, default=limits.max_bytes,
+                   help="largest grammar text (a schema as JSON, a regex, choices as JSON)")
+    p.add_argument("--max-grammar-choices", type=int, default=limits.max_choices, help="longest choice list")
+    p.add_argument("--grammar-timeout", type=float, default=limits.timeout_s,
+                   help="seconds a grammar may take to compile and check (400 beyond)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -178,6 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         prompt_logprobs_cache_bytes=args.prompt_logprobs_cache_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
+        grammar_limits=GrammarLimits(max_bytes=args.max_grammar_bytes, max_choices=args.max_grammar_choices,
+                                     timeout_s=args.grammar_timeout),
     )
     engine.validate()
     config = ServerConfig(
@@ -185,6 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_n=args.max_n,
         max_pending_requests=args.max_pending_requests, max_request_bytes=args.max_request_bytes,
         max_prompt_tokens=args.max_prompt_tokens, data_parallel_size=args.data_parallel_size,
+        max_pending_sequences=args.max_pending_sequences, max_request_sequences=args.max_request_sequences,
+        open_tokenizer_routes=args.open_tokenizer_routes,
     )
     run_server(config, log_level=args.log_level)
     return 0

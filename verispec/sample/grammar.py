@@ -9,20 +9,24 @@ candidate row has a live grammar state.
 
 The mask is the first processor (with `allowed_token_ids`): processed logprobs include it, raw
 ones do not, prompt rows never get it. Grammars compile once per (kind, text), and each request
-takes a copy of the compiled matcher; llguidance's parser limits bound a grammar's cost, so a
-pathological one fails its own request with the backend's message instead of stalling the step.
+takes a copy of the compiled matcher. `GrammarLimits` bounds a grammar's cost (its size, a choice
+list's length, llguidance's parser limits); compiling also computes the first mask and one step
+beyond it, where llguidance finds most grammars that exceed its limits, so those are refused as
+invalid up front. One that fails later fails its own request as the client's error (`GrammarFailed`).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from verispec.config import GrammarLimits
 from verispec.sampling_params import StructuredOutputsParams
 
 # Compiled grammars kept for reuse (a JSON schema sent with every request compiles once).
@@ -35,6 +39,11 @@ class GrammarError(ValueError):
     def __init__(self, kind: str, detail: str):
         super().__init__(f"structured_outputs.{kind} is invalid: {detail}")
         self.detail = detail
+
+
+class GrammarFailed(RuntimeError):
+    """A grammar that passed its checks hit a limit later, inside a step: the request's own error
+    (a client error, no traceback), which the step's crash isolation confines to it."""
 
 
 @dataclass(slots=True)
@@ -63,7 +72,7 @@ class RequestGrammar:
     def _mask(self) -> bytes:
         mask = self.matcher.compute_bitmask()
         if self.matcher.is_error():
-            raise RuntimeError(f"structured output failed: {self.matcher.get_error().splitlines()[0]}")
+            raise GrammarFailed(f"structured output failed: {_first_line(self.matcher.get_error())}")
         return mask
 
     def advance(self, tokens: list[int]) -> None:
@@ -76,42 +85,78 @@ class RequestGrammar:
 
 
 class GrammarCompiler:
-    """Turns StructuredOutputsParams into matchers; the llguidance tokenizer is built on first use."""
+    """Turns StructuredOutputsParams into matchers; the llguidance tokenizer is built on first use.
+    Thread-safe: the server's frontend compiles in worker threads."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], limits: Any = None):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int],
+                 limits: GrammarLimits | None = None):
         self._hf_tokenizer = tokenizer
-        self._limits = limits  # llguidance.LLParserLimits; None: llguidance's defaults
+        self.limits = limits if limits is not None else GrammarLimits()
+        self._parser_limits = _parser_limits(self.limits)
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher; GrammarError (a ValueError naming the field) when the grammar is invalid."""
-        import llguidance
-
         kind = params.kind
         text = _grammar_text(params)
         key = (kind, text)
-        template = self._compiled.get(key)
+        with self._lock:
+            template = self._compiled.get(key)
+            if template is not None:
+                self._compiled.move_to_end(key)
         if template is None:
-            try:
-                grammar = llguidance.grammar_from(_FORMATS[kind], text)
-            except ValueError as exc:
-                raise GrammarError(kind, str(exc)) from None
-            tok = self._tokenizer()
-            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=self._limits)
-            if failed:
-                raise GrammarError(kind, messages[0])
-            template = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._limits)
-            if template.is_error():
-                raise GrammarError(kind, template.get_error())
-            self._compiled[key] = template
-            if len(self._compiled) > _MAX_COMPILED:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
+            template = self._compile(kind, text, params)
+            with self._lock:
+                self._compiled[key] = template
+                if len(self._compiled) > _MAX_COMPILED:
+                    self._compiled.popitem(last=False)
         return RequestGrammar(template.deep_copy())
+
+    def _compile(self, kind: str, text: str, params: StructuredOutputsParams) -> Any:
+        import llguidance
+
+        limits = self.limits
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limits.max_bytes:
+            raise GrammarError(kind, f"the grammar is {size} bytes; this server accepts at most {limits.max_bytes} (--max-grammar-bytes)")
+        if params.choice is not None and len(params.choice) > limits.max_choices:
+            raise GrammarError(kind, f"{len(params.choice)} choices; this server accepts at most {limits.max_choices} (--max-grammar-choices)")
+        try:
+            grammar = llguidance.grammar_from(_FORMATS[kind], text)
+        except ValueError as exc:
+            raise GrammarError(kind, str(exc)) from None
+        tok = self._tokenizer()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok, limits=self._parser_limits)
+        if failed:
+            raise GrammarError(kind, messages[0])
+        template = llguidance.LLMatcher(tok, grammar, log_level=0, limits=self._parser_limits)
+        if template.is_error():
+            raise GrammarError(kind, _first_line(template.get_error()))
+        self._probe(kind, template)
+        return template
+
+    def _probe(self, kind: str, template: Any) -> None:
+        """Computes the first mask and takes one step past it (on a copy): llguidance builds its
+        lexer lazily, so a regex that explodes or a row past `max_items_in_row` shows only there."""
+        mask = template.compute_bitmask()
+        if template.is_error():
+            raise GrammarError(kind, _first_line(template.get_error()))
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[: self.vocab_size]
+        if self._eos:
+            bits[[e for e in self._eos if e < bits.size]] = 0
+        allowed = np.flatnonzero(bits)
+        if allowed.size == 0:
+            return
+        probe = template.deep_copy()
+        if not probe.consume_token(int(allowed[0])) or probe.is_error():
+            raise GrammarError(kind, _first_line(probe.get_error()))
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(kind, _first_line(probe.get_error()))
 
     def warm(self) -> None:
         """Builds llguidance's tokenizer now (about 1 s) instead of at the first grammar."""
@@ -119,13 +164,25 @@ class GrammarCompiler:
             self._tokenizer()
 
     def _tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            if self._hf_tokenizer is None:
-                raise ValueError("structured_outputs needs a tokenizer; this model has none")
-            from llguidance.hf import from_tokenizer
+        with self._lock:
+            if self._ll_tokenizer is None:
+                if self._hf_tokenizer is None:
+                    raise ValueError("structured_outputs needs a tokenizer; this model has none")
+                from llguidance.hf import from_tokenizer
 
-            self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
-        return self._ll_tokenizer
+                self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._ll_tokenizer
+
+
+def _parser_limits(limits: GrammarLimits) -> Any:
+    import llguidance
+
+    own = ("max_bytes", "max_choices", "timeout_s")
+    return llguidance.LLParserLimits(**{k: v for k, v in asdict(limits).items() if k not in own})
+
+
+def _first_line(message: str) -> str:
+    return message.splitlines()[0] if message else "the grammar exceeds the parser's limits"
 
 
 _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",

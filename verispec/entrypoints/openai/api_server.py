@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from verispec.config import EngineConfig
 from verispec.engine.dp_client import DPEngineClient
 from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
+from verispec.entrypoints.openai.preprocess import PendingWork
 from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
@@ -30,8 +31,11 @@ from verispec.entrypoints.openai.protocol import (
     TokenizeResponse, TokenizerInfoResponse,
 )
 from verispec.entrypoints.openai.serving import RequestError, ServingContext, until_disconnect
-from verispec.entrypoints.openai.serving_chat import create_chat, stream_chat
-from verispec.entrypoints.openai.serving_completion import create_completion, stream_completion
+from verispec.entrypoints.openai.serving_chat import create_chat, prepare_chat, stream_chat
+from verispec.entrypoints.openai.serving_completion import (
+    create_completion, prepare_completion, prompt_list, stream_completion,
+)
+from verispec.tokenization import text_encoder
 from verispec.models.default import DEFAULT_MODEL_FILE
 
 logger = logging.getLogger("verispec.server")
@@ -47,6 +51,12 @@ class ServerConfig:
     max_n: int = 16
     # Requests admitted but not finished; beyond this the server answers 503 with Retry-After.
     max_pending_requests: int = 256
+    # Sequences (prompts x n) admitted but not finished, over all requests: the same 503 beyond
+    # it, and a 400 for one request that asks for more on its own.
+    max_pending_sequences: int = 1024
+    max_request_sequences: int = 256  # prompts x n of one request (400 above)
+    # /tokenize and /detokenize without the API key (lm-eval's remote tokenizer sends none).
+    open_tokenizer_routes: bool = False
     max_request_bytes: int = 8 << 20
     max_prompt_tokens: int | None = None  # None: the context length less one generated token
     # Engine-core replicas behind this server, each a whole engine (engine/dp_client.py).
@@ -77,23 +87,31 @@ def _admit(ctx: ServingContext) -> None:
                            headers={"Retry-After": "30"})
 
 
+def _load_tokenizer(path: str):
+    from verispec.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    return tokenizer, text_encoder(tokenizer) if tokenizer is not None else None
+
+
 def build_app(config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name())
+    pending = PendingWork(config.max_pending_requests, config.max_pending_sequences,
+                          min(config.max_request_sequences, config.max_pending_sequences))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from verispec.models.default import default_model_path
-        from verispec.models.loader import load_tokenizer
 
         client = DPEngineClient(config.engine, config.data_parallel_size)
         client.add_stats_listener(metrics.update_engine)
         if client.data_parallel_size > 1:
             metrics.replicas = client.replica_info
         model_path = config.engine.model or default_model_path()
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(load_tokenizer, model_path))
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, model_path))
         try:
             await client.start()
-            tokenizer = await tokenizer_task
+            tokenizer, encoder = await tokenizer_task
         except BaseException:
             tokenizer_task.cancel()
             await client.shutdown()
@@ -106,6 +124,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             max_model_len=ready.max_model_len, vocab_size=ready.vocab_size, max_logprobs=ready.max_logprobs,
             max_n=config.max_n,
             max_prompt_tokens=min(config.max_prompt_tokens or ready.max_model_len - 1, ready.max_model_len - 1),
+            encoder=encoder, pending=pending,
+            grammar_limits=config.engine.grammar_limits,
         )
         metrics.update_engine(client.stats)
         metrics.runtime = ready.runtime
@@ -118,12 +138,14 @@ def build_app(config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
+            app.state.ctx.preprocessor.shutdown()
             await client.shutdown()
 
-    app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan)
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
+    app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     # Outermost first: a request over the pending limit is refused before its body is read.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
-    app.add_middleware(ConcurrencyLimit, max_pending=config.max_pending_requests)
+    app.add_middleware(ConcurrencyLimit, work=pending)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(RequestError)
@@ -158,8 +180,9 @@ def build_app(config: ServerConfig) -> FastAPI:
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+        # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), config.api_key.encode()):
             raise RequestError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401,
                                type_="AuthenticationError")
 
@@ -171,20 +194,24 @@ def build_app(config: ServerConfig) -> FastAPI:
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
     streams = {**errors, 200: {"content": {"text/event-stream": {"schema": event}}}}
 
-    async def generate(request: Request, body, stream_fn, create_fn):
+    async def generate(request: Request, body, num_prompts: int, prepare_fn, stream_fn, create_fn):
+        """Bounds first (cheap, here), preparation in a worker thread, then the engine."""
         ctx = _ctx(request)
         _admit(ctx)
+        ctx.pending.reserve(request.scope, num_prompts * body.n, "n" if body.n > 1 else "prompt")
+        prepared = await ctx.preprocessor.run(prepare_fn, ctx, body)
         if body.stream:
-            return StreamingResponse(stream_fn(ctx, body), media_type="text/event-stream")
-        return await until_disconnect(request, create_fn(ctx, body))
+            return StreamingResponse(stream_fn(ctx, body, prepared), media_type="text/event-stream")
+        return await until_disconnect(request, create_fn(ctx, body, prepared))
 
     @v1.post("/completions", response_model=CompletionResponse, responses=streams)
     async def completions(body: CompletionRequest, request: Request):
-        return await generate(request, body, stream_completion, create_completion)
+        num_prompts = len(prompt_list(body.prompt))
+        return await generate(request, body, num_prompts, prepare_completion, stream_completion, create_completion)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses=streams)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await generate(request, body, stream_chat, create_chat)
+        return await generate(request, body, 1, prepare_chat, stream_chat, create_chat)
 
     @v1.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
     async def models(request: Request):
@@ -235,21 +262,36 @@ def build_app(config: ServerConfig) -> FastAPI:
         ctx.client.reset_prefix_cache()
         return Response(status_code=200)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
+    tokenizer_auth = [] if config.open_tokenizer_routes else [Depends(check_api_key)]
+
+    def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
+        ctx.check_chars(len(body.prompt), "prompt")
+        ids = ctx.encoder.encode([body.prompt], special_tokens=body.parse_special_tokens,
+                                 add_special_tokens=body.add_special_tokens)[0]
+        if len(ids) > ctx.prompt_token_limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this server accepts at most "
+                               f"{ctx.prompt_token_limit}", "prompt")
+        return ids
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors, dependencies=tokenizer_auth)
     async def tokenize(body: TokenizeRequest, request: Request):
+        """The prompt's token ids, as /v1/completions would send them (the same limits apply)."""
         ctx = _ctx(request)
         ctx.check_model(body.model)
-        if ctx.tokenizer is None:
+        if ctx.encoder is None:
             raise RequestError("this model has no tokenizer", "prompt")
-        ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ids = await ctx.preprocessor.run(_tokenize, ctx, body)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=ctx.max_model_len)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors, dependencies=tokenizer_auth)
     async def detokenize(body: DetokenizeRequest, request: Request):
         ctx = _ctx(request)
         ctx.check_model(body.model)
+        if len(body.tokens) > ctx.max_model_len:
+            raise RequestError(f"tokens holds {len(body.tokens)} ids; at most max_model_len={ctx.max_model_len} "
+                               "are accepted", "tokens")
         ctx.check_token_ids(body.tokens, "tokens")
-        return DetokenizeResponse(prompt=ctx.detokenize(body.tokens))
+        return DetokenizeResponse(prompt=await ctx.preprocessor.run(ctx.detokenize, body.tokens))
 
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses={404: {"model": ErrorResponse}})
     async def tokenizer_info(request: Request):

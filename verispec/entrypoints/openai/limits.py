@@ -1,8 +1,10 @@
-"""Request limits answered before the app runs: body size (413, whether or not the length is declared) and pending requests (503)."""
+"""Request limits answered around the app: body size (413, whether or not the length is declared) and
+pending requests and sequences (503)."""
 
 from __future__ import annotations
 
-from verispec.entrypoints.openai.serving import RequestError
+from verispec.entrypoints.openai.errors import RequestError
+from verispec.entrypoints.openai.preprocess import SCOPE_KEY, PendingWork, Reservation
 
 
 async def send_error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -57,24 +59,27 @@ class BodySizeLimit:
 
 
 class ConcurrencyLimit:
-    """At most `max_pending` generation requests (POST /v1/...) in flight; more get 503 with
+    """At most `work.max_requests` generation requests (POST /v1/...) in flight; more get 503 with
     Retry-After. Counted around the whole ASGI call, so a streamed answer holds its slot until the
-    stream ends or the client leaves, and no early exit can leak a slot. With the body size limit
-    this bounds the memory that waiting requests can take."""
+    stream ends or the client leaves, and no early exit can leak a slot; the sequences a request
+    reserved (preprocess.PendingWork) are given back here too. With the body size limit this
+    bounds the memory that waiting requests can take."""
 
-    def __init__(self, app, max_pending: int):
+    def __init__(self, app, work: PendingWork):
         self.app = app
-        self.max_pending = max_pending
-        self.pending = 0
+        self.work = work
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        if self.pending >= self.max_pending:
-            message = f"the server is at its limit of {self.max_pending} pending requests; retry shortly"
+        work = self.work
+        if work.requests >= work.max_requests:
+            message = f"the server is at its limit of {work.max_requests} pending requests; retry shortly"
             return await send_error(send, 503, message, [(b"retry-after", b"1")])
-        self.pending += 1
+        work.requests += 1
+        holder = scope[SCOPE_KEY] = Reservation()
         try:
             await self.app(scope, receive, send)
         finally:
-            self.pending -= 1
+            work.requests -= 1
+            work.release(holder)

@@ -3,6 +3,7 @@
 Field names and shapes follow the OpenAI API (and vLLM's extensions where OpenAI has none:
 `top_k`, `min_p`, `repetition_penalty`, `prompt_logprobs`, `logprobs_mode`, `logprob_token_ids` ...).
 Unknown fields are ignored, as OpenAI's own server and vLLM do, so newer clients keep working.
+Known fields are strict: `true` is no integer and `"3"` no number (a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class _Model(BaseModel):
 
 
 class _Request(_Model):
+    model_config = ConfigDict(extra="ignore", strict=True)
     # Every field of every request model: no text reaches the tokenizer or the wire un-encodable.
     _unicode = field_validator("*")(_check_unicode)
 
@@ -57,7 +59,7 @@ class StreamOptions(_Request):
 
 
 class JsonSchemaFormat(_Request):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -119,6 +121,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    parse_special_tokens: bool = Field(
+        default=False, description="read special-token text in text prompts as control tokens (default: as text)"
+    )
 
 
 class ContentPart(_Request):
@@ -162,7 +167,7 @@ class DeltaToolCall(ToolCall):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # An assistant turn that called tools, and a tool's answer to one of those calls.
@@ -187,6 +192,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    parse_special_tokens: bool = False  # as on /v1/completions
 
 
 class DetokenizeRequest(_Request):

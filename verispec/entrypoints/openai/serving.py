@@ -17,9 +17,13 @@ from verispec.engine.core_client import EngineDeadError
 from verispec.engine.core_protocol import LogprobRow, RequestDelta
 from verispec.engine.dp_client import DPEngineClient
 from verispec.entrypoints.openai.metrics import ServerMetrics
-from verispec.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, PromptLogprob, UsageInfo
+from verispec.entrypoints.openai.errors import RequestError
+from verispec.entrypoints.openai.protocol import PromptLogprob, UsageInfo
+from verispec.config import GrammarLimits
+from verispec.entrypoints.openai.preprocess import PendingWork, Preprocessor, check_chars
 from verispec.sample.grammar import GrammarCompiler, GrammarError
 from verispec.sampling_params import SamplingParams, StructuredOutputsParams
+from verispec.tokenization import TextEncoder
 
 # JSON has no -inf: a masked alternative's score is reported as this, as vLLM does.
 NEG_INF_JSON = -9999.0
@@ -31,23 +35,6 @@ _PASSTHROUGH = (
     "allowed_token_ids", "bad_words", "logprobs_mode", "logprob_token_ids", "seed", "n", "stop",
     "cache_salt",
 )
-
-
-class RequestError(Exception):
-    """An error answered in the OpenAI shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, type_: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.headers = headers
-        self.type = type_ or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                              413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
-
-    def response_body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status))
 
 
 def json_float(x: float) -> float:
@@ -66,6 +53,10 @@ class ServingContext:
     max_logprobs: int
     max_n: int = 16
     max_prompt_tokens: int | None = None
+    encoder: TextEncoder | None = None  # None: no tokenizer
+    pending: PendingWork = field(default_factory=lambda: PendingWork(256, 1024, 256))
+    preprocessor: Preprocessor = field(default_factory=Preprocessor)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # the engine core's own
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: GrammarCompiler | None = None
 
@@ -73,14 +64,19 @@ class ServingContext:
     def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
             eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, frozenset({eos} - {None}))
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, frozenset({eos} - {None}),
+                                             self.grammar_limits)
         return self._grammars
 
     def check_grammar(self, params: StructuredOutputsParams, param: str) -> None:
-        """Compiles the grammar here too, so a bad one is a 400 naming the field before anything
-        streams (the core compiles it again, from its own cache)."""
+        """Compiles the grammar here too, with the core's limits and within their time bound, so a
+        bad one is a 400 naming the field before anything is queued (the core compiles it again)."""
+        limit = self.grammar_limits.timeout_s
         try:
-            self.grammars.matcher(params)
+            self.preprocessor.within(limit, self.grammars.matcher, params)
+        except TimeoutError:
+            raise RequestError(f"{param} is invalid: compiling it took more than {limit} s (--grammar-timeout)",
+                               param) from None
         except GrammarError as exc:
             raise RequestError(str(exc) if param == "structured_outputs" else f"{param} is invalid: {exc.detail}",
                                param) from None
@@ -100,6 +96,15 @@ class ServingContext:
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_aliases:
             raise RequestError(f"model {name!r} is not served here; this server serves {self.model_name!r}", "model")
+
+    @property
+    def prompt_token_limit(self) -> int:
+        return self.max_prompt_tokens if self.max_prompt_tokens is not None else self.max_model_len - 1
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """Refuses, before tokenizing, a text whose length alone says it cannot fit."""
+        limit = self.prompt_token_limit
+        check_chars(num_chars, self.encoder.max_chars(limit) if self.encoder else None, limit, param)
 
     def check_prompt_len(self, num_tokens: int, max_tokens: int | None, param: str) -> None:
         if num_tokens == 0:
@@ -217,16 +222,17 @@ class PromptResult:
     prompt_rows: list[LogprobRow | None] | None = None
 
 
-async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[int],
-                         params: SamplingParams) -> AsyncIterator[RequestDelta]:
-    """The request's deltas, with errors mapped to HTTP errors and latency metrics recorded."""
+async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                         group: str | None = None) -> AsyncIterator[RequestDelta]:
+    """The request's deltas, with errors mapped to HTTP errors and latency metrics recorded.
+    `group`: the HTTP request it belongs to (the core shares its slots fairly between groups)."""
     if ctx.client.dead:
         raise RequestError(f"the engine is not running: {ctx.client.dead_reason}", status=503)
     start = last = time.monotonic()
     first = True
     reason = "abort"
     try:
-        async for delta in ctx.client.generate(request_id, prompt_ids, params):
+        async for delta in ctx.client.generate(request_id, prompt_ids, params, group=group):
             if delta.error is not None:
                 reason = "error"
                 status = 400 if delta.error_kind == "invalid" else 500
@@ -247,9 +253,10 @@ async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[
         ctx.metrics.finish_request(reason, time.monotonic() - start, len(prompt_ids))
 
 
-async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams) -> PromptResult:
+async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  group: str | None = None) -> PromptResult:
     result = PromptResult(prompt_ids, [ChoiceState() for _ in range(params.n)])
-    async for delta in stream_request(ctx, request_id, prompt_ids, params):
+    async for delta in stream_request(ctx, request_id, prompt_ids, params, group):
         if delta.prompt_logprobs is not None:
             result.prompt_rows = delta.prompt_logprobs
         for comp in delta.completions:
@@ -260,7 +267,7 @@ async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], p
 async def collect_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
                       params: SamplingParams) -> list[PromptResult]:
     """Runs every prompt of a request concurrently; the first failure cancels (aborts) the rest."""
-    tasks = [asyncio.create_task(collect(ctx, f"{base_id}-{i}", ids, params)) for i, ids in enumerate(prompts)]
+    tasks = [asyncio.create_task(collect(ctx, f"{base_id}-{i}", ids, params, base_id)) for i, ids in enumerate(prompts)]
     try:
         return list(await asyncio.gather(*tasks))
     finally:

@@ -39,7 +39,8 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def _prepare(ctx: ServingContext, req: ChatCompletionRequest):
+def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest):
+    """Everything before the engine: validation, the chat template, sampling params (in a worker thread)."""
     ctx.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
@@ -48,8 +49,10 @@ def _prepare(ctx: ServingContext, req: ChatCompletionRequest):
     if ctx.tokenizer is None:
         raise RequestError("this model has no tokenizer and chat template; use /v1/completions", "messages")
     tools = [t.model_dump() for t in req.tools] if req.tools else None
+    messages = _messages(req)
+    ctx.check_chars(sum(len(m["content"]) for m in messages), "messages")
     try:
-        ids = chat_prompt_ids(ctx.tokenizer, _messages(req), req.add_generation_prompt, tools=tools)
+        ids = chat_prompt_ids(ctx.tokenizer, messages, req.add_generation_prompt, tools=tools)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -91,8 +94,8 @@ def chat_logprobs(ctx: ServingContext, rows: list[LogprobRow], k: int, custom: l
     return ChatLogprobs(content=content)
 
 
-async def create_chat(ctx: ServingContext, req: ChatCompletionRequest) -> ChatCompletionResponse:
-    ids, params = _prepare(ctx, req)
+async def create_chat(ctx: ServingContext, req: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
+    ids, params = prepared
     request_id = new_id("chatcmpl")
     result = await collect(ctx, request_id, ids, params)
     k = req.top_logprobs or 0
@@ -118,10 +121,8 @@ def _answer(req: ChatCompletionRequest, text: str, reason: str | None) -> tuple[
     return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
 
 
-def stream_chat(ctx: ServingContext, req: ChatCompletionRequest) -> AsyncIterator[str]:
-    """Validates now (errors become a 400 before any byte is sent), then streams SSE chunks."""
-    ids, params = _prepare(ctx, req)
-    return _stream(ctx, req, ids, params)
+def stream_chat(ctx: ServingContext, req: ChatCompletionRequest, prepared) -> AsyncIterator[str]:
+    return _stream(ctx, req, *prepared)
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int], params) -> AsyncIterator[str]:

@@ -22,20 +22,31 @@ from verispec.entrypoints.openai.serving import (
 )
 
 
-def _prompts(ctx: ServingContext, prompt) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt, from any of the four accepted shapes."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    if not prompt:
+def prompt_list(prompt) -> list:
+    """The request's prompts, from any of the four accepted shapes: strings or token-id lists."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    return list(prompt)
+
+
+def _prompts(ctx: ServingContext, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt. Text is checked against the context by its length
+    first, then tokenized in one batch; special-token text stays text unless the request says
+    `parse_special_tokens`."""
+    prompts = prompt_list(req.prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
         raise RequestError("prompt must not be empty", "prompt")
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts and ctx.encoder is None:
+        raise RequestError("this model has no tokenizer: send prompt as token ids", "prompt")
+    for text in texts:
+        ctx.check_chars(len(text), "prompt")
+    encoded = iter(ctx.encoder.encode(texts, special_tokens=req.parse_special_tokens, add_special_tokens=True)
+                   if texts else [])
     out = []
-    for p in prompt:
+    for p in prompts:
         if isinstance(p, str):
-            if ctx.tokenizer is None:
-                raise RequestError("this model has no tokenizer: send prompt as token ids", "prompt")
-            out.append((p, ctx.tokenizer.encode(p)))
+            out.append((p, next(encoded)))
         else:
             ctx.check_token_ids(p, "prompt")
             out.append((None, list(p)))
@@ -84,14 +95,15 @@ def _wants_logprobs(req: CompletionRequest) -> bool:
     return req.logprobs is not None or req.logprob_token_ids is not None
 
 
-def _prepare(ctx: ServingContext, req: CompletionRequest):
+def prepare_completion(ctx: ServingContext, req: CompletionRequest):
+    """Everything before the engine: validation, tokenization, sampling params (in a worker thread)."""
     ctx.check_model(req.model)
     if req.max_tokens is not None and req.max_tokens < 0:
         raise RequestError(f"max_tokens must be >= 0; got {req.max_tokens}", "max_tokens")
     if req.stream and req.prompt_logprobs is not None:
         raise RequestError("prompt_logprobs is not available with stream=true; use echo with logprobs",
                            "prompt_logprobs")
-    prompts = _prompts(ctx, req.prompt)
+    prompts = _prompts(ctx, req)
     # max_tokens=0 scores the prompt only. The engine always samples once after the prompt, so it
     # runs with max_tokens=1 and the sampled token is dropped: the prompt's logprobs do not depend on it.
     prompt_only = req.max_tokens == 0
@@ -129,8 +141,8 @@ def _choice(ctx: ServingContext, req: CompletionRequest, index: int, prompt_text
     )
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest) -> CompletionResponse:
-    prompts, params, prompt_only = _prepare(ctx, req)
+async def create_completion(ctx: ServingContext, req: CompletionRequest, prepared) -> CompletionResponse:
+    prompts, params, prompt_only = prepared
     request_id = new_id("cmpl")
     results = await collect_all(ctx, request_id, [ids for _, ids in prompts], params)
     choices = []
@@ -143,10 +155,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> Comp
     return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=use)
 
 
-def stream_completion(ctx: ServingContext, req: CompletionRequest) -> AsyncIterator[str]:
-    """Validates now (errors become a 400 before any byte is sent), then streams SSE chunks."""
-    prompts, params, prompt_only = _prepare(ctx, req)
-    return _stream(ctx, req, prompts, params, prompt_only)
+def stream_completion(ctx: ServingContext, req: CompletionRequest, prepared) -> AsyncIterator[str]:
+    return _stream(ctx, req, *prepared)
 
 
 async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
@@ -157,7 +167,7 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
 
     async def pump(p: int, ids: list[int]) -> None:
         try:
-            async for delta in stream_request(ctx, f"{request_id}-{p}", ids, params):
+            async for delta in stream_request(ctx, f"{request_id}-{p}", ids, params, request_id):
                 queue.put_nowait((p, delta))
         except Exception as exc:  # noqa: BLE001 - forwarded to the client as an error event
             queue.put_nowait((p, exc))
