@@ -159,6 +159,12 @@ def structured_outputs(req, tool_grammar: dict | None = None) -> tuple[str, dict
     return found[0] if found else None
 
 
+def grammar_field(req, tool_grammar: dict | None = None) -> str | None:
+    """The field the request's grammar came in (already validated), if it has one."""
+    found = structured_outputs(req, tool_grammar)
+    return found[0] if found else None
+
+
 def sampling_params(ctx: ServingContext, req, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None, renames: dict[str, str] | None = None,
                     tool_grammar: dict | None = None) -> SamplingParams:
@@ -223,9 +229,10 @@ class PromptResult:
 
 
 async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                         group: str | None = None) -> AsyncIterator[RequestDelta]:
+                         group: str | None = None, grammar_param: str | None = None) -> AsyncIterator[RequestDelta]:
     """The request's deltas, with errors mapped to HTTP errors and latency metrics recorded.
-    `group`: the HTTP request it belongs to (the core shares its slots fairly between groups)."""
+    `group`: the HTTP request it belongs to (the core shares its slots fairly between groups).
+    `grammar_param`: the field its grammar came in, named by a grammar that fails mid-answer."""
     if ctx.client.dead:
         raise RequestError(f"the engine is not running: {ctx.client.dead_reason}", status=503)
     start = last = time.monotonic()
@@ -235,8 +242,8 @@ async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[
         async for delta in ctx.client.generate(request_id, prompt_ids, params, group=group):
             if delta.error is not None:
                 reason = "error"
-                status = 400 if delta.error_kind == "invalid" else 500
-                raise RequestError(delta.error, status=status)
+                invalid = delta.error_kind == "invalid"  # after the checks, only a grammar fails so
+                raise RequestError(delta.error, grammar_param if invalid else None, 400 if invalid else 500)
             now = time.monotonic()
             if any(c.token_ids for c in delta.completions):
                 ctx.metrics.observe_latency(now - start if first else None, None if first else now - last)
@@ -254,9 +261,9 @@ async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[
 
 
 async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  group: str | None = None) -> PromptResult:
+                  group: str | None = None, grammar_param: str | None = None) -> PromptResult:
     result = PromptResult(prompt_ids, [ChoiceState() for _ in range(params.n)])
-    async for delta in stream_request(ctx, request_id, prompt_ids, params, group):
+    async for delta in stream_request(ctx, request_id, prompt_ids, params, group, grammar_param):
         if delta.prompt_logprobs is not None:
             result.prompt_rows = delta.prompt_logprobs
         for comp in delta.completions:
@@ -265,9 +272,9 @@ async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], p
 
 
 async def collect_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
-                      params: SamplingParams) -> list[PromptResult]:
+                      params: SamplingParams, grammar_param: str | None = None) -> list[PromptResult]:
     """Runs every prompt of a request concurrently; the first failure cancels (aborts) the rest."""
-    tasks = [asyncio.create_task(collect(ctx, f"{base_id}-{i}", ids, params, base_id)) for i, ids in enumerate(prompts)]
+    tasks = [asyncio.create_task(collect(ctx, f"{base_id}-{i}", ids, params, base_id, grammar_param)) for i, ids in enumerate(prompts)]
     try:
         return list(await asyncio.gather(*tasks))
     finally:

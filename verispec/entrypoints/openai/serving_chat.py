@@ -14,8 +14,8 @@ from verispec.entrypoints.openai.protocol import (
 )
 from verispec.entrypoints.openai.tools import forces_tools, tool_calls, tool_schema
 from verispec.entrypoints.openai.serving import (
-    RequestError, ServingContext, collect, error_json, json_float, new_id, prompt_logprobs_json, sampling_params,
-    sse, stream_request, usage,
+    RequestError, ServingContext, collect, error_json, grammar_field, json_float, new_id, prompt_logprobs_json,
+    sampling_params, sse, stream_request, usage,
 )
 
 
@@ -97,7 +97,7 @@ def chat_logprobs(ctx: ServingContext, rows: list[LogprobRow], k: int, custom: l
 async def create_chat(ctx: ServingContext, req: ChatCompletionRequest, prepared) -> ChatCompletionResponse:
     ids, params = prepared
     request_id = new_id("chatcmpl")
-    result = await collect(ctx, request_id, ids, params)
+    result = await collect(ctx, request_id, ids, params, grammar_param=grammar_field(req, tool_schema(req)))
     k = req.top_logprobs or 0
     choices = []
     for i, c in enumerate(result.choices):
@@ -140,7 +140,8 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int
     # Forced tool calls go out whole, once each answer is complete: arguments arrive as one delta.
     held = [""] * params.n if forces_tools(req) else None
     try:
-        async for delta in stream_request(ctx, request_id, ids, params):
+        async for delta in stream_request(ctx, request_id, ids, params,
+                                          grammar_param=grammar_field(req, tool_schema(req))):
             for comp in delta.completions:
                 completion_tokens += len(comp.token_ids)
                 lp = chat_logprobs(ctx, comp.logprobs, k, req.logprob_token_ids) if _shows_logprobs(req) and comp.logprobs else None

@@ -17,7 +17,7 @@ from verispec.entrypoints.openai.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, UsageInfo,
 )
 from verispec.entrypoints.openai.serving import (
-    ChoiceState, PromptResult, RequestError, ServingContext, collect_all, error_json, json_float, new_id,
+    ChoiceState, PromptResult, RequestError, ServingContext, collect_all, error_json, grammar_field, json_float, new_id,
     prompt_logprobs_json, sampling_params, sse, stream_request, usage,
 )
 
@@ -144,7 +144,7 @@ def _choice(ctx: ServingContext, req: CompletionRequest, index: int, prompt_text
 async def create_completion(ctx: ServingContext, req: CompletionRequest, prepared) -> CompletionResponse:
     prompts, params, prompt_only = prepared
     request_id = new_id("cmpl")
-    results = await collect_all(ctx, request_id, [ids for _, ids in prompts], params)
+    results = await collect_all(ctx, request_id, [ids for _, ids in prompts], params, grammar_field(req))
     choices = []
     for p, ((text, _), result) in enumerate(zip(prompts, results)):
         for i, choice in enumerate(result.choices):
@@ -167,7 +167,7 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
 
     async def pump(p: int, ids: list[int]) -> None:
         try:
-            async for delta in stream_request(ctx, f"{request_id}-{p}", ids, params, request_id):
+            async for delta in stream_request(ctx, f"{request_id}-{p}", ids, params, request_id, grammar_field(req)):
                 queue.put_nowait((p, delta))
         except Exception as exc:  # noqa: BLE001 - forwarded to the client as an error event
             queue.put_nowait((p, exc))
