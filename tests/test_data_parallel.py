@@ -168,7 +168,7 @@ def test_client_bookkeeping_over_stand_in_replicas(monkeypatch):
     aborted: list[tuple[int, list[str]]] = []
 
     def fake(rank):
-        async def generate(rid, ids, params):
+        async def generate(rid, ids, params, group=None):  # group: the client request, for fair sharing
             yield RequestDelta(rid, [CompletionDelta(0, [rank], "")], False)
             if client.replicas[rank].dead:
                 raise EngineDeadError("gone")
