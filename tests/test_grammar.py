@@ -337,6 +337,26 @@ def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
     assert not eng.has_unfinished_requests() and eng.pool.num_free_blocks == eng.pool.num_blocks
 
 
+def test_a_sampled_token_the_grammar_refuses_fails_its_request_in_that_step(engines, monkeypatch):
+    """llguidance's mask can offer a token its parser then refuses (partial UTF-8 of non-ASCII
+    choices): the request fails in the step that sampled it, as the client's error, without the
+    step's one-by-one re-run."""
+    from verispec.sample.grammar import RequestGrammar
+
+    eng = engines[False].engine
+    follow = RequestGrammar.advance
+    monkeypatch.setattr(RequestGrammar, "advance", lambda self, tokens: follow(self, [5]))  # 5: refused
+    monkeypatch.setattr(type(eng), "_execute_isolated", lambda *a: pytest.fail("the step was re-run"))
+    eng.add_request("refused", [1, 5, 6], SamplingParams(max_tokens=6, structured_outputs={"choice": ["dark blue"]}))
+    eng.add_request("plain", [1, 5, 7], SamplingParams(max_tokens=6, temperature=0))
+    first = {out.request_id: out for out in eng.step()}
+    assert first["refused"].finished and first["refused"].error_kind == "invalid"
+    assert "structured output failed" in first["refused"].error and first["plain"].error is None
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.pool.num_free_blocks == eng.pool.num_blocks
+
+
 REF_LOOP = {"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"$ref": "#/definitions/a"}}}
 
 

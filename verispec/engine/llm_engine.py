@@ -296,6 +296,11 @@ class LLMEngine:
         result, failed = self._execute(sched)
         errored = self._fail_requests(sched, failed)
         emitted = self.scheduler.update_from_output(sched, result, self.output, skip=errored)
+        for req in emitted:  # a grammar that refused a token fails its request now, not its next step
+            if req.grammar is not None and not req.is_finished and (error := req.grammar.error()):
+                logger.warning("request %s failed: %s", req.request_id, error)
+                self._fail(req, error, "invalid")
+                errored.add(req.request_id)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, self.max_model_len)
         if self.runner.adaptive is not None and not failed:

@@ -77,11 +77,17 @@ class RequestGrammar:
 
     def advance(self, tokens: list[int]) -> None:
         """Follows the request's newly emitted tokens (sampled under this grammar's masks). It
-        never raises: a token the grammar refuses leaves the matcher in its error state, and the
-        request's next mask fails it alone, inside the step's crash isolation."""
+        never raises: a token the grammar refuses leaves the matcher in its error state, which
+        `error` reports (llguidance's mask offers some partial UTF-8 tokens its parser then refuses)."""
         for token in tokens:
             if self.matcher.is_stopped() or not self.matcher.consume_token(token):
                 return  # complete (what follows is EOS, which ends the request), or refused
+
+    def error(self) -> str | None:
+        """Why the matcher stopped following the output, if it did."""
+        if not self.matcher.is_error():
+            return None
+        return f"structured output failed: {_first_line(self.matcher.get_error())}"
 
 
 class GrammarCompiler:
