@@ -240,6 +240,15 @@ def test_a_small_request_is_served_within_5_s_during_a_large_one(server):
         stream.close()
 
 
+@pytest.mark.parametrize("field, value", [
+    ("stop", [f"zq{i}xv" for i in range(50_000)]), ("bad_words", [f"zq{i}" for i in range(20_000)]),
+    ("allowed_token_ids", [-1] * 100_000),
+])
+def test_per_token_lists_that_would_slow_every_step_are_a_400(server, field, value):
+    message = _error(server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, field: value}), 400, field)
+    assert len(message) < 300  # the offending list does not come back in full
+
+
 # ------------------------------------------------------------------------------------ small items
 def test_no_redirect_reflects_the_host_header(server):
     r = requests.get(server.url + "/v1/models/", headers={**server.headers, "Host": "evil.com"},

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from verispec.config import LogprobsMode
-from verispec.sampling_params import MAX_LOGPROB_TOKEN_IDS, SamplingParams
+from verispec.sampling_params import MAX_BAD_WORDS, MAX_LOGPROB_TOKEN_IDS, MAX_STOP_STRINGS, SamplingParams
 
 INVALID = [
     (dict(temperature=-1), "temperature"),
@@ -95,6 +95,22 @@ def test_bad_logprobs_mode_lists_the_four_valid_values():
     for value in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"):
         assert value in msg
     assert "raw_logrobs" in msg  # echoes what was given
+
+
+@pytest.mark.parametrize("field, cap, item", [("stop", MAX_STOP_STRINGS, "zq"), ("bad_words", MAX_BAD_WORDS, "zq")])
+def test_per_token_lists_are_capped(field, cap, item):
+    """Each stop string and bad word is checked at every sampled token: one request's list is short."""
+    assert len(getattr(SamplingParams(**{field: [f"{item}{i}" for i in range(cap)]}), field)) == cap
+    with pytest.raises(ValueError, match=rf"^{field} holds {cap + 1} .*at most {cap}"):
+        SamplingParams(**{field: [f"{item}{i}" for i in range(cap + 1)]})
+
+
+def test_id_sets_drop_duplicates_and_errors_stay_short():
+    params = SamplingParams(allowed_token_ids=[5, 3, 5] * 100_000, stop_token_ids=[7, 7, 2])
+    assert params.allowed_token_ids == [5, 3] and params.stop_token_ids == [7, 2]
+    with pytest.raises(ValueError, match=r"\(\d+ characters\)$") as info:
+        SamplingParams(allowed_token_ids=[-1] * 100_000)
+    assert len(str(info.value)) < 300
 
 
 def test_min_tokens_greater_than_max_tokens():

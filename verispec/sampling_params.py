@@ -16,6 +16,16 @@ from dataclasses import dataclass, field
 from verispec.config import LogprobsMode
 
 MAX_LOGPROB_TOKEN_IDS = 128
+# Each is checked against every sampled token, in every step: a request's lists stay short, or one
+# request slows everyone's steps (20,000 bad words made a neighbour's 32 tokens take 11x as long).
+MAX_STOP_STRINGS = 256
+MAX_BAD_WORDS = 256
+
+
+def _brief(value: object, limit: int = 120) -> str:
+    """A value's repr for an error message, cut short: a 7 MB list must not come back in full."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -59,21 +69,23 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_ = [f for f in ("json", "regex", "choice", "grammar") if getattr(self, f) is not None]
         if not isinstance(self.json_object, bool):
-            raise ValueError(f"structured_outputs.json_object must be true or false; got {self.json_object!r}")
+            raise ValueError(f"structured_outputs.json_object must be true or false; got {_brief(self.json_object)}")
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
             raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
                              f"json_object; got {set_ or 'none'}")
         if self.json is not None and not (isinstance(self.json, dict) or is_valid_text(self.json)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its text); got {self.json!r}")
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its text); "
+                             f"got {_brief(self.json)}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (is_valid_text(value) and value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string; got {value!r}")
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string; got {_brief(value)}")
         if self.choice is not None and not (
             isinstance(self.choice, list) and self.choice and all(is_valid_text(c) and c for c in self.choice)
         ):
-            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings; got {self.choice!r}")
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings; "
+                             f"got {_brief(self.choice)}")
 
     @property
     def kind(self) -> str:
@@ -120,33 +132,34 @@ class SamplingParams:
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer in [1, 2**63); got {self.n!r}")
+            raise ValueError(f"n must be an integer in [1, 2**63); got {_brief(self.n)}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0; got {_brief(self.temperature)}")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1]; got {_brief(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or an integer in [1, 2**63); got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer in [1, 2**63); got {_brief(self.top_k)}")
         if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1]; got {self.min_p!r}")
+            raise ValueError(f"min_p must be in [0, 1]; got {_brief(self.min_p)}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63); got {self.seed!r}")
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63); got {_brief(self.seed)}")
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as exc:
                 raise ValueError(f"structured_outputs has an unknown field: {exc}") from None
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a dict or StructuredOutputsParams; got {self.structured_outputs!r}")
+            raise ValueError("structured_outputs must be a dict or StructuredOutputsParams; "
+                             f"got {_brief(self.structured_outputs)}")
         if self.structured_outputs is not None and self.min_tokens:
             # A grammar that is complete allows only the end of the answer, which min_tokens bans.
             raise ValueError(f"min_tokens must be 0 with structured_outputs; got {self.min_tokens}")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise ValueError(f"cache_salt must be None or a non-empty string; got {self.cache_salt!r}")
+            raise ValueError(f"cache_salt must be None or a non-empty string; got {_brief(self.cache_salt)}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be None or an integer in [1, 2**63); got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be None or an integer in [1, 2**63); got {_brief(self.max_tokens)}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer in [0, 2**63); got {self.min_tokens!r}")
+            raise ValueError(f"min_tokens must be an integer in [0, 2**63); got {_brief(self.min_tokens)}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}); got {self.min_tokens}"
@@ -156,20 +169,24 @@ class SamplingParams:
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(is_valid_text(s) and s for s in self.stop):
                 raise ValueError(
-                    f"stop must be a non-empty string or a list of them, in valid Unicode; got {self.stop!r}"
+                    f"stop must be a non-empty string or a list of them, in valid Unicode; got {_brief(self.stop)}"
                 )
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
         if self.stop_token_ids is not None:
-            self.stop_token_ids = self._int_list("stop_token_ids", self.stop_token_ids, lo=0)
+            # Sets in meaning: duplicates go, so a list is never longer than the vocabulary.
+            self.stop_token_ids = list(dict.fromkeys(self._int_list("stop_token_ids", self.stop_token_ids, lo=0)))
         if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
-            raise ValueError(f"repetition_penalty must be in (0, 100]; got {self.repetition_penalty!r}")
+            raise ValueError(f"repetition_penalty must be in (0, 100]; got {_brief(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not (-2.0 <= value <= 2.0):
-                raise ValueError(f"{name} must be in [-2, 2]; got {value!r}")
+                raise ValueError(f"{name} must be in [-2, 2]; got {_brief(value)}")
         if self.logit_bias is not None:
             self.logit_bias = self._check_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = self._int_list("allowed_token_ids", self.allowed_token_ids, lo=0)
+            allowed = self._int_list("allowed_token_ids", self.allowed_token_ids, lo=0)
+            self.allowed_token_ids = list(dict.fromkeys(allowed))  # a set in meaning, as stop_token_ids
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words is not None:
@@ -177,13 +194,15 @@ class SamplingParams:
                 is_valid_text(w) and w.strip() for w in self.bad_words
             ):
                 raise ValueError(
-                    f"bad_words must be a list of non-empty strings in valid Unicode; got {self.bad_words!r}"
+                    f"bad_words must be a list of non-empty strings in valid Unicode; got {_brief(self.bad_words)}"
                 )
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words holds {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are accepted")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < -1):
                 raise ValueError(
-                    f"{name} must be None, -1 (full vocabulary) or an integer in [0, 2**63); got {value!r}"
+                    f"{name} must be None, -1 (full vocabulary) or an integer in [0, 2**63); got {_brief(value)}"
                 )
         if self.logprob_token_ids is not None:
             ids = self._int_list("logprob_token_ids", self.logprob_token_ids, lo=0)
@@ -203,13 +222,13 @@ class SamplingParams:
     @staticmethod
     def _int_list(name: str, value: object, lo: int) -> list[int]:
         if not isinstance(value, (list, tuple)) or not all(_is_int(v) and v >= lo for v in value):
-            raise ValueError(f"{name} must be a list of integers in [{lo}, 2**63); got {value!r}")
+            raise ValueError(f"{name} must be a list of integers in [{lo}, 2**63); got {_brief(value)}")
         return list(value)
 
     @staticmethod
     def _check_logit_bias(bias: object) -> dict[int, float]:
         if not isinstance(bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias; got {bias!r}")
+            raise ValueError(f"logit_bias must be a dict of token id -> bias; got {_brief(bias)}")
         out: dict[int, float] = {}
         for key, value in bias.items():
             # JSON objects have string keys, so "42" is token 42; 1.5 or True is not a token id.
@@ -218,11 +237,11 @@ class SamplingParams:
             elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
                 token = int(key)
             else:
-                raise ValueError(f"logit_bias keys must be token ids; got {key!r}")
+                raise ValueError(f"logit_bias keys must be token ids; got {_brief(key)}")
             if not 0 <= token <= INT64_MAX:
-                raise ValueError(f"logit_bias keys must be token ids in [0, 2**63); got {key!r}")
+                raise ValueError(f"logit_bias keys must be token ids in [0, 2**63); got {_brief(key)}")
             if not _is_number(value) or not (-100.0 <= value <= 100.0):
-                raise ValueError(f"logit_bias values must be in [-100, 100]; got {value!r} for {key!r}")
+                raise ValueError(f"logit_bias values must be in [-100, 100]; got {_brief(value)} for {_brief(key)}")
             out[token] = float(value)
         return out
 

@@ -274,7 +274,8 @@ async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], p
 async def collect_all(ctx: ServingContext, base_id: str, prompts: list[list[int]],
                       params: SamplingParams, grammar_param: str | None = None) -> list[PromptResult]:
     """Runs every prompt of a request concurrently; the first failure cancels (aborts) the rest."""
-    tasks = [asyncio.create_task(collect(ctx, f"{base_id}-{i}", ids, params, base_id, grammar_param)) for i, ids in enumerate(prompts)]
+    tasks = [asyncio.create_task(collect(ctx, f"{base_id}-{i}", ids, params, base_id, grammar_param))
+             for i, ids in enumerate(prompts)]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
