@@ -99,6 +99,20 @@ def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(server):
     assert took < 2, took  # tokenizing 7.2 MB takes several seconds; the length alone says no
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "a"}] * 10_000}, "messages"),  # more messages than tokens
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 700}} for i in range(1000)]},
+     "tools"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"arguments": "x" * 700_000}]},
+                   {"role": "user", "content": "hi"}]}, "messages"),
+])
+def test_chat_parts_the_template_renders_are_bounded_before_it_runs(server, body, param):
+    r, took = _timed(server.post, "/v1/chat/completions", {**body, "max_tokens": 1})
+    _error(r, 400, param)
+    assert took < 2, took
+
+
 def test_tokenizer_routes_take_the_key_and_the_limits(server):
     plain = {"Authorization": ""}
     assert requests.post(server.url + "/tokenize", json={"prompt": "hi"}, timeout=10).status_code == 401

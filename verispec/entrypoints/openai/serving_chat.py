@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -50,7 +51,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest):
         raise RequestError("this model has no tokenizer and chat template; use /v1/completions", "messages")
     tools = [t.model_dump() for t in req.tools] if req.tools else None
     messages = _messages(req)
-    ctx.check_chars(sum(len(m["content"]) for m in messages), "messages")
+    _check_size(ctx, messages, tools)
     try:
         ids = chat_prompt_ids(ctx.tokenizer, messages, req.add_generation_prompt, tools=tools)
     except ValueError as exc:
@@ -62,6 +63,19 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest):
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name}, tool_grammar=tool_schema(req))
     ctx.check_prompt_len(len(ids), max_tokens, "messages")
     return ids, params
+
+
+def _check_size(ctx: ServingContext, messages: list[dict], tools: list[dict] | None) -> None:
+    """Before the template runs: what the template renders of the client's text, counted in
+    characters (JSON compactly), cannot exceed what the prompt limit's tokens can spell."""
+    if len(messages) > ctx.prompt_token_limit:
+        raise RequestError(f"messages holds {len(messages)} messages; this server accepts at most "
+                           f"{ctx.prompt_token_limit} tokens", "messages")
+    compact = {"separators": (",", ":"), "ensure_ascii": False}
+    ctx.check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "", **compact))
+                        for m in messages), "messages")
+    if tools:
+        ctx.check_chars(len(json.dumps(tools, **compact)), "tools")
 
 
 def _shows_logprobs(req: ChatCompletionRequest) -> bool:
