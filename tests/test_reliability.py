@@ -230,8 +230,10 @@ def test_full_queue_answers_503_with_retry_after(pressured):
     def one(i: int) -> None:
         with lock:
             sent.append(time.monotonic())
+        # A generous timeout: 24 requests preempting each other on a 24-block pool, beside another
+        # xdist worker's tests on 2 cores, once took over 120 s for one of them.
         r = pressured.post("/v1/completions", {"prompt": PROMPTS[i % 8], "max_tokens": 48, "ignore_eos": True,
-                                               "temperature": 0})
+                                               "temperature": 0}, timeout=600)
         with lock:
             done.append(time.monotonic())
             statuses.append((r.status_code, r.headers.get("retry-after"), r.json()))
