@@ -82,9 +82,3 @@ class Preprocessor:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
 
-
-def check_chars(num_chars: int, max_chars: int | None, max_tokens: int, param: str) -> None:
-    """Refuses, before tokenizing, a text too long to fit `max_tokens` tokens."""
-    if max_chars is not None and num_chars > max_chars:
-        raise RequestError(f"the {param} has {num_chars} characters, more than {max_tokens} tokens can hold; "
-                           f"this server accepts at most {max_tokens} tokens", param)

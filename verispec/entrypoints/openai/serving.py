@@ -20,7 +20,7 @@ from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.errors import RequestError
 from verispec.entrypoints.openai.protocol import PromptLogprob, UsageInfo
 from verispec.config import GrammarLimits
-from verispec.entrypoints.openai.preprocess import PendingWork, Preprocessor, check_chars
+from verispec.entrypoints.openai.preprocess import PendingWork, Preprocessor
 from verispec.sample.grammar import GrammarCompiler, GrammarError
 from verispec.sampling_params import SamplingParams, StructuredOutputsParams
 from verispec.tokenization import TextEncoder
@@ -51,10 +51,10 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     max_logprobs: int
+    pending: PendingWork  # the server's limits on pending requests and sequences (ServerConfig)
     max_n: int = 16
     max_prompt_tokens: int | None = None
     encoder: TextEncoder | None = None  # None: no tokenizer
-    pending: PendingWork = field(default_factory=lambda: PendingWork(256, 1024, 256))
     preprocessor: Preprocessor = field(default_factory=Preprocessor)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # the engine core's own
     _token_text: dict[int, str] = field(default_factory=dict)
@@ -104,7 +104,9 @@ class ServingContext:
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuses, before tokenizing, a text whose length alone says it cannot fit."""
         limit = self.prompt_token_limit
-        check_chars(num_chars, self.encoder.max_chars(limit) if self.encoder else None, limit, param)
+        if self.encoder is not None and num_chars > self.encoder.max_chars(limit):
+            raise RequestError(f"the {param} has {num_chars} characters, more than {limit} tokens can hold; "
+                               f"this server accepts at most {limit} tokens", param)
 
     def check_prompt_len(self, num_tokens: int, max_tokens: int | None, param: str) -> None:
         if num_tokens == 0:
