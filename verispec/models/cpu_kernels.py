@@ -40,11 +40,13 @@ from verispec.models.loader import cache_dir
 
 logger = logging.getLogger("verispec.kernels")
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "quant_linear.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "quant_linear.cpp", "packed_linear.cpp")]
+_HEADERS = [_CSRC / "packed_linear_body.h"]  # included by the sources: part of the build's key
 # torch's CPU dispatch levels, best first -> the macro its vector headers read and the flags torch
 # compiles that level's kernels with (AVX2's headers convert halves with F16C instructions).
 _LEVELS = {
-    "AVX512": ("CPU_CAPABILITY_AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]),
+    "AVX512": ("CPU_CAPABILITY_AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
     "AVX2": ("CPU_CAPABILITY_AVX2", ["-mavx2", "-mfma", "-mf16c"]),
     "DEFAULT": (None, []),  # portable: the headers' scalar-loop vectors, any x86-64 (or other) CPU
 }
@@ -109,8 +111,8 @@ def _run_all(commands: list[list[str]]) -> tuple[bool, str]:
 
 def _key(cxx: str, level: str) -> str:
     stat = os.stat(cxx)  # another compiler (or an upgraded one) gets another try
-    parts = [p.read_bytes() for p in _SOURCES] + [
-        torch.__version__.encode(), level.encode(), sys.version.encode(), f"{cxx}:{stat.st_mtime_ns}".encode()]
+    parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [
+        torch.__version__.encode(), repr(_LEVELS[level]).encode(), sys.version.encode(), f"{cxx}:{stat.st_mtime_ns}".encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -219,8 +221,13 @@ def _register_fakes() -> None:
     if not _fakes_registered:
         for name in ("int8_linear", "int4_linear"):
             torch.library.register_fake(f"verispec_cpu::{name}")(_matmul_shape)
+        torch.library.register_fake("verispec_cpu::packed_linear")(_packed_shape)
         _fakes_registered = True
 
 
 def _matmul_shape(x, codes, scales, *rest):
     return x.new_empty((x.shape[0], rest[-1]), dtype=torch.float32)
+
+
+def _packed_shape(x, codes, scales, offsets, format, n, variant=""):
+    return x.new_empty((x.shape[0], n))

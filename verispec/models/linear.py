@@ -200,17 +200,93 @@ class DecodedLinear(nn.Module):
 
 
 def _blocked(t: torch.Tensor) -> torch.Tensor:
-    """[N, C] -> [N/16, C, 16]."""
+    """[N, C] -> [N/16, C, 16], padding N with zeros to a multiple of 16."""
+    t = F.pad(t, (0, 0, 0, -t.shape[0] % 16))
     return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+
+class PackedLinear(nn.Module):
+    """A GGUF-format matrix (Q4_0, Q4_1 or Q8_0, groups of 32, fp16 scales) on verispec's packed
+    kernel (`csrc/packed_linear.cpp`): the file's blocks, 4-bit codes two per byte, read once per
+    call for all its rows; activations quantized per group of 32 to int16, exact int32 dot
+    products. The fast tier's kernel for decode, verify and short chunks on a CPU; a row's result
+    does not depend on the rows beside it, nor on the instruction set. Past `kernel_max_rows` the
+    matrix is decoded (exactly, then rounded once) for a dense matmul, as `QuantLinear` does.
+
+    `float_output` (the lm_head) returns fp32 logits whatever the activations' dtype."""
+
+    def __init__(self, weight: QuantizedWeight, device: torch.device, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None, kernel_max_rows: int = KERNEL_MAX_ROWS,
+                 float_output: bool = False):
+        super().__init__()
+        self.format = packed_format(weight)
+        assert self.format is not None, "make_linear checks packed_format first"
+        self.n = weight.shape[0]
+        codes = torch.ops.verispec_cpu.packed_codes(weight.codes, weight.bits)
+        self.register_buffer("codes", codes.to(device), persistent=False)
+        self.register_buffer("scales", _blocked(weight.scale.half()).to(device), persistent=False)
+        offsets = _blocked(weight.offset.half()).to(device) if self.format == PACKED_FORMATS["Q4_1"] else None
+        self.register_buffer("offsets", offsets, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+        self.dense, self.kernel_max_rows, self.float_output = dense, kernel_max_rows, float_output
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float_output:
+            x = x.float()
+        # A compiled stack only takes kernel-sized batches (models/compile.py) and must not branch.
+        if torch.compiler.is_compiling() or x.shape[0] <= self.kernel_max_rows:
+            return torch.ops.verispec_cpu.packed_linear(x, self.codes, self.scales, self.offsets, self.format, self.n)
+        dtype = dense_matmul_dtype(x)
+        w = self.dense if self.dense is not None else torch.ops.verispec_cpu.packed_dequantize(
+            self.codes, self.scales, self.offsets, self.format, self.n, dtype)
+        return F.linear(x.to(dtype), w.to(dtype)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self._matmul(x)
+
+
+# The packed kernel's `format` argument.
+PACKED_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
+def packed_format(weight: QuantizedWeight) -> int | None:
+    """The packed kernel's format for `weight`, or None if it has none: groups of 32, and scales
+    (and offsets) that fp16 holds exactly, as a GGUF file's do. An offset of exactly -8 x scale
+    is Q4_0 (no offsets to read)."""
+    if weight.group_size != 32 or weight.shape[1] % 32 or not _fp16_exact(weight.scale):
+        return None
+    if weight.bits == 8:
+        return PACKED_FORMATS["Q8_0"]
+    if torch.equal(weight.offset, -8 * weight.scale):
+        return PACKED_FORMATS["Q4_0"]
+    return PACKED_FORMATS["Q4_1"] if _fp16_exact(weight.offset) else None
+
+
+def _fp16_exact(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t.float()))
+
+
+def packed_wanted(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+    """The fast tier's CPU matrices (and its 8-bit lm_head) run packed when the kernels are here."""
+    return (dtype != torch.float32 and torch.device(device).type == "cpu" and packed_format(weight) is not None
+            and cpu_kernels_available())
 
 
 def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None,
                 head: bool = False, **quant_options) -> nn.Module:
-    """A dense `Linear` for a tensor; a `QuantLinear` for a `QuantizedWeight` whose K the kernels
-    take (a multiple of the group size), else its dense values. On a CPU with verispec's kernels,
-    an 8-bit lm_head (`head`) and every quantized matrix of an fp32 model run on `DecodedLinear`;
-    an fp32 model without them gets the dense decoded values (exact, slower)."""
+    """A dense `Linear` for a tensor. For a `QuantizedWeight` on a CPU with verispec's kernels:
+    `PackedLinear` in the fast tier, `DecodedLinear` for every matrix of an fp32 model (the exact
+    tier on the codes). Elsewhere a `QuantLinear` on torch's int4 kernels where K suits them
+    (a multiple of the group size), an exact `DecodedLinear` for an 8-bit lm_head (`head`), else
+    the dense values (an fp32 model without the kernels: exact, slower)."""
     if isinstance(weight, QuantizedWeight):
+        if packed_wanted(weight, dtype, device):
+            bias = None if bias is None else bias.to(dtype)
+            return PackedLinear(weight, device, bias, float_output=head, **quant_options)
         wants_decoded = (head and weight.bits == 8) or dtype == torch.float32
         if wants_decoded and bias is None and decoded_wanted(weight, device):
             return DecodedLinear(weight, device)

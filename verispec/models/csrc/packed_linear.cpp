@@ -1,0 +1,465 @@
+// The fast tier's weight-only quantized matmul for the CPU: y = x @ W^T with W kept as the file's
+// blocks (GGUF Q4_0, Q4_1, Q8_0: 32 weights per block, fp16 scales), 4-bit codes two per byte.
+//
+// One call reads each block of codes once for all its rows (up to kMaxRows per register tile),
+// so a verify step of several rows costs little more than one row while the weights stream from
+// memory. Activations are quantized per block of 32 to int16 (scale = max |x| / 32767, 15 bits,
+// finer than the bf16 they arrive in), and each block's dot product is an exact int32 sum of
+// code x activation, on the CPU's integer multiply-adds (AVX512-VNNI / AVX-VNNI `vpdpwssd`,
+// else `vpmaddwd`). The sums become fp32 once per block, in the same order on every variant:
+// a row's result does not depend on how many rows share the call, nor on the instruction set.
+//
+// Layout, per block of 16 output columns and per group of 32 inputs (`packed_codes` builds it):
+// - 4 bits: 256 bytes, 8 runs of 32. In run p, byte 2c+e holds column c's code for input 4p+e
+//   in its low nibble and 4p+2+e in its high one: zero-extending the run to 16-bit lanes gives
+//   input pair (4p, 4p+1) of every column, a shift by 4 the pair (4p+2, 4p+3).
+// - 8 bits: 512 bytes, 16 runs of 32; in run p, byte 2c+e is column c's code for input 2p+e.
+// - scales (and Q4_1's offsets): [blocks, groups, 16] fp16, the file's own values.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2))
+#include <cpuid.h>
+#include <immintrin.h>
+#define VS_X86 1
+#endif
+// The VNNI variants are compiled under GCC's target pragmas (not clang's): without them a build
+// still has every other variant.
+#if defined(VS_X86) && defined(__GNUC__) && !defined(__clang__)
+#define VS_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;   // output columns per block
+constexpr int64_t kGroup = 32;  // inputs per quantization block
+constexpr int64_t kBytes4 = kCols * kGroup / 2, kBytes8 = kCols * kGroup;
+constexpr int kMaxRows = 8;     // rows per register tile
+constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;  // the formats, as the op's `format` argument
+constexpr int32_t kActMax = 32767;
+constexpr int64_t kPrefetchGroups = 4;  // how far ahead the weights are prefetched
+
+struct Packed {
+  const uint8_t* codes;  // [blocks, groups, bytes]
+  const uint16_t* d;     // [blocks, groups, 16] fp16 bits
+  const uint16_t* m;     // Q4_1's offsets, same shape; else null
+};
+
+struct Act {  // a call's activations, quantized per group of 32
+  const int16_t* q;      // [M, K]
+  const float* scale;    // [M, groups]
+  const int32_t* sum;    // [M, groups]: the sum of each group's q (for the offsets)
+  int64_t k, groups;
+};
+
+using TileFn = void (*)(const Packed&, int64_t, const Act&, int64_t, float*);
+struct TileTable {
+  std::array<std::array<TileFn, kMaxRows>, 3> fn;  // [format][rows - 1]
+  int rows;
+};
+
+inline int32_t load_pair(const int16_t* x) {  // two adjacent activations, as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+
+// ------------------------------------------------------------------------- portable (any CPU)
+namespace portable {
+struct V {
+  static constexpr int kCols = 16, kRows = kMaxRows, kChains = 1;
+  struct W { int16_t v[32]; };
+  struct I { int32_t v[16]; };
+  struct F { float v[16]; };
+  static I zero_i() { return I{}; }
+  static F zero_f() { return F{}; }
+  static void load4(const uint8_t* p, W& w0, W& w1) {
+    for (int i = 0; i < 32; ++i) w0.v[i] = p[i] & 0x0F, w1.v[i] = p[i] >> 4;
+  }
+  static W load8(const uint8_t* p) {
+    W w;
+    for (int i = 0; i < 32; ++i) w.v[i] = static_cast<int8_t>(p[i]);
+    return w;
+  }
+  static I dot(I acc, const W& w, const int16_t* x) {
+    for (int j = 0; j < 16; ++j) acc.v[j] += int32_t(w.v[2 * j]) * x[0] + int32_t(w.v[2 * j + 1]) * x[1];
+    return acc;
+  }
+  static I sub(I a, int32_t s) {
+    for (auto& v : a.v) v -= s;
+    return a;
+  }
+  static I add(I a, const I& b) {
+    for (int j = 0; j < 16; ++j) a.v[j] += b.v[j];
+    return a;
+  }
+  static F cvt(const I& a) {
+    F f;
+    for (int j = 0; j < 16; ++j) f.v[j] = static_cast<float>(a.v[j]);
+    return f;
+  }
+  static F halves(const uint16_t* p) {
+    F f;
+    for (int j = 0; j < 16; ++j) f.v[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
+    return f;
+  }
+  static F set1(float s) {
+    F f;
+    for (auto& v : f.v) v = s;
+    return f;
+  }
+  static F mul(const F& a, const F& b) {
+    F f;
+    for (int j = 0; j < 16; ++j) f.v[j] = a.v[j] * b.v[j];
+    return f;
+  }
+  static F fma(const F& a, const F& b, const F& c) {  // fused, as the vector variants' FMA
+    F f;
+    for (int j = 0; j < 16; ++j) f.v[j] = std::fma(a.v[j], b.v[j], c.v[j]);
+    return f;
+  }
+  static void store(float* p, const F& f) { std::memcpy(p, f.v, sizeof f.v); }
+};
+#include "packed_linear_body.h"
+}  // namespace portable
+
+#if defined(VS_X86)
+// ------------------------------------------------------------------ x86: 16 or 8 lanes per vector
+#define VS_AVX2_TRAITS(DOT)                                                                           \
+  struct V {                                                                                          \
+    static constexpr int kCols = 8, kRows = 4, kChains = 4; /* 16 ymm registers */                    \
+    using W = __m256i;                                                                                \
+    using I = __m256i;                                                                                \
+    using F = __m256;                                                                                 \
+    static I zero_i() { return _mm256_setzero_si256(); }                                              \
+    static F zero_f() { return _mm256_setzero_ps(); }                                                 \
+    static void load4(const uint8_t* p, W& w0, W& w1) {                                               \
+      const W b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));         \
+      w0 = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));                                              \
+      w1 = _mm256_srli_epi16(b, 4);                                                                   \
+    }                                                                                                 \
+    static W load8(const uint8_t* p) {                                                                \
+      return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));              \
+    }                                                                                                 \
+    static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm256_set1_epi32(load_pair(x))); } \
+    static I sub(I a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }               \
+    static I add(I a, I b) { return _mm256_add_epi32(a, b); }                                         \
+    static F cvt(I a) { return _mm256_cvtepi32_ps(a); }                                               \
+    static F halves(const uint16_t* p) {                                                              \
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));                   \
+    }                                                                                                 \
+    static F set1(float s) { return _mm256_set1_ps(s); }                                              \
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }                                            \
+    static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }                                  \
+    static void store(float* p, F f) { _mm256_storeu_ps(p, f); }                                      \
+  };
+
+inline __m256i avx2_dot(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+namespace avx2 {
+VS_AVX2_TRAITS(avx2_dot)
+#include "packed_linear_body.h"
+}  // namespace avx2
+
+#if defined(VS_VNNI)
+#pragma GCC push_options
+#pragma GCC target("avxvnni")
+namespace avx2_vnni {
+inline __m256i vnni_dot(__m256i acc, __m256i w, __m256i x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
+VS_AVX2_TRAITS(vnni_dot)
+#include "packed_linear_body.h"
+}  // namespace avx2_vnni
+#pragma GCC pop_options
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define VS_AVX512_TRAITS(DOT)                                                                         \
+  struct V {                                                                                          \
+    static constexpr int kCols = 16, kRows = kMaxRows, kChains = 8; /* 32 zmm registers */            \
+    using W = __m512i;                                                                                \
+    using I = __m512i;                                                                                \
+    using F = __m512;                                                                                 \
+    static I zero_i() { return _mm512_setzero_si512(); }                                              \
+    static F zero_f() { return _mm512_setzero_ps(); }                                                 \
+    static void load4(const uint8_t* p, W& w0, W& w1) {                                               \
+      const W b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));      \
+      w0 = _mm512_and_si512(b, _mm512_set1_epi16(0x0F));                                              \
+      w1 = _mm512_srli_epi16(b, 4);                                                                   \
+    }                                                                                                 \
+    static W load8(const uint8_t* p) {                                                                \
+      return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));           \
+    }                                                                                                 \
+    static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm512_set1_epi32(load_pair(x))); } \
+    static I sub(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }               \
+    static I add(I a, I b) { return _mm512_add_epi32(a, b); }                                         \
+    static F cvt(I a) { return _mm512_cvtepi32_ps(a); }                                               \
+    static F halves(const uint16_t* p) {                                                              \
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));                \
+    }                                                                                                 \
+    static F set1(float s) { return _mm512_set1_ps(s); }                                              \
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }                                            \
+    static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }                                  \
+    static void store(float* p, F f) { _mm512_storeu_ps(p, f); }                                      \
+  };
+
+inline __m512i avx512_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
+namespace avx512 {
+VS_AVX512_TRAITS(avx512_dot)
+#include "packed_linear_body.h"
+}  // namespace avx512
+
+#if defined(VS_VNNI)
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+namespace avx512_vnni {
+inline __m512i vnni_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
+VS_AVX512_TRAITS(vnni_dot)
+#include "packed_linear_body.h"
+}  // namespace avx512_vnni
+#pragma GCC pop_options
+#endif
+#endif  // CPU_CAPABILITY_AVX512
+
+// CPUID leaf 7: AVX512_VNNI is sub-leaf 0's ECX bit 11, AVX-VNNI sub-leaf 1's EAX bit 4. (The OS
+// saves the registers they use: torch already runs this build's level here.)
+bool cpuid7(unsigned sub, int reg, int bit) {
+  unsigned r[4] = {0, 0, 0, 0};
+  if (!__get_cpuid_count(7, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+  return (r[reg] >> bit) & 1;
+}
+#endif  // VS_X86
+
+bool always() { return true; }
+
+struct Variant {
+  const char* name;
+  bool (*supported)();
+  const TileTable& (*table)();
+};
+
+// Best first: the first one this CPU runs is the default.
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> v = {
+#if defined(CPU_CAPABILITY_AVX512) && defined(VS_X86)
+#if defined(VS_VNNI)
+      {"avx512_vnni", [] { return cpuid7(0, 2, 11); }, avx512_vnni::table},
+#endif
+      {"avx512", always, avx512::table},
+#endif
+#if defined(VS_X86)
+#if defined(VS_VNNI)
+      {"avx2_vnni", [] { return cpuid7(1, 0, 4); }, avx2_vnni::table},
+#endif
+      {"avx2", always, avx2::table},
+#endif
+      {"portable", always, portable::table},
+  };
+  return v;
+}
+
+// CPUID traps to the hypervisor on a virtual machine (tens of microseconds): asked once.
+const std::vector<const Variant*>& supported_variants() {
+  static const std::vector<const Variant*> v = [] {
+    std::vector<const Variant*> out;
+    for (const Variant& var : variants())
+      if (var.supported()) out.push_back(&var);
+    return out;
+  }();
+  return v;
+}
+
+const TileTable& pick(c10::string_view name) {
+  if (name.empty()) return supported_variants().front()->table();
+  for (const Variant* v : supported_variants())
+    if (name == v->name) return v->table();
+  throw std::invalid_argument("packed_linear: no variant '" + std::string(name) + "' in this build for this CPU");
+}
+
+std::vector<std::string> packed_variants() {
+  std::vector<std::string> names;
+  for (const Variant* v : supported_variants()) names.emplace_back(v->name);
+  return names;
+}
+
+// Per row and group of 32: scale = max |x| / 32767, q = round(x / scale). A group holding an inf
+// or a NaN gets a NaN scale, so its rows' outputs are NaN (as a dense matmul's would be).
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, int16_t* q, float* scale, int32_t* sum) {
+  const int64_t groups = k / kGroup;
+  for (int64_t i = 0; i < m * groups; ++i) {
+    const T* xs = x + i * kGroup;  // row-major, so group i of the flattened [M * groups]
+    int16_t* qs = q + i * kGroup;
+    float v[kGroup], amax = 0.f;
+    bool finite = true;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      v[j] = static_cast<float>(xs[j]);
+      finite = finite && std::fabs(v[j]) <= std::numeric_limits<float>::max();
+      amax = std::max(amax, std::fabs(v[j]));
+    }
+    const float d = amax / static_cast<float>(kActMax);
+    int32_t s = 0;
+    if (finite && d > 0.f) {
+      for (int64_t j = 0; j < kGroup; ++j) {
+        const float t = std::nearbyint(v[j] / d);
+        qs[j] = static_cast<int16_t>(std::min(std::max(t, -float(kActMax)), float(kActMax)));
+        s += qs[j];
+      }
+    } else {
+      std::memset(qs, 0, kGroup * sizeof(int16_t));
+    }
+    scale[i] = finite ? d : std::numeric_limits<float>::quiet_NaN();
+    sum[i] = s;
+  }
+}
+
+template <typename T>
+void store_tile(const float* tile, int64_t rows, int64_t cols, T* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) y[r * ldy + c] = static_cast<T>(tile[r * kCols + c]);
+}
+
+void check_weights(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
+                   int64_t format, int64_t k) {
+  TORCH_CHECK(format == kQ4_0 || format == kQ4_1 || format == kQ8_0, "packed_linear: format must be 0, 1 or 2");
+  const int64_t bytes = format == kQ8_0 ? kBytes8 : kBytes4;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(1) == k / kGroup && codes.size(2) == bytes &&
+                  codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "packed_linear: codes must be uint8 [N/16, K/32, ", bytes, "] for K = ", k);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) &&
+                  scales.size(2) == kCols && scales.scalar_type() == at::kHalf && scales.is_contiguous(),
+              "packed_linear: scales must be float16 [N/16, K/32, 16]");
+  TORCH_CHECK(offsets.has_value() == (format == kQ4_1), "packed_linear: offsets are given for Q4_1 only");
+  if (offsets)
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kHalf && offsets->is_contiguous(),
+                "packed_linear: offsets must match scales");
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& offsets, int64_t format, int64_t n,
+                         c10::string_view variant) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kGroup == 0, "packed_linear: x must be [M, K] with K a multiple of 32");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  check_weights(codes, scales, offsets, format, k);
+  const int64_t blocks = codes.size(0);
+  TORCH_CHECK(n > (blocks - 1) * kCols && n <= blocks * kCols, "packed_linear: n does not match the codes");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "packed_linear: x must be float32, bfloat16 or float16");
+  const TileTable& table = pick(variant);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  std::vector<int16_t> q(m * k);
+  std::vector<float> scale(m * groups);
+  std::vector<int32_t> sum(m * groups);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "packed_linear", [&] {
+    quantize_rows(xc.data_ptr<scalar_t>(), m, k, q.data(), scale.data(), sum.data());
+  });
+  const Act act{q.data(), scale.data(), sum.data(), k, groups};
+  const Packed w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                 offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr};
+  const auto& fns = table.fn[format];
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "packed_linear_out", [&] {
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+      alignas(64) float tile[kMaxRows * kCols];
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t cols = std::min(kCols, n - b * kCols);
+        for (int64_t r0 = 0; r0 < m; r0 += table.rows) {
+          const int64_t rows = std::min<int64_t>(table.rows, m - r0);
+          fns[rows - 1](w, b, act, r0, tile);
+          store_tile(tile, rows, cols, yp + r0 * n + b * kCols, n);
+        }
+      }
+    });
+  });
+  return y;
+}
+
+// [N, K] codes (uint8 0..15 for 4 bits, int8 for 8) -> [N/16, K/32, bytes] in the layout above;
+// columns past N are zero codes (with zero scales they compute 0, and are never stored).
+at::Tensor packed_codes(const at::Tensor& codes, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % kGroup == 0 && (bits == 4 || bits == 8) && codes.element_size() == 1,
+              "packed_codes: codes must be [N, K] bytes, K a multiple of 32, bits 4 or 8");
+  const at::Tensor c = codes.contiguous().view(at::kByte);
+  const int64_t n = c.size(0), k = c.size(1), groups = k / kGroup, blocks = (n + kCols - 1) / kCols;
+  const int64_t bytes = bits == 8 ? kBytes8 : kBytes4;
+  at::Tensor out = at::zeros({blocks, groups, bytes}, c.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t b = row / kCols, col = row % kCols;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* s = src + row * k + g * kGroup;
+      uint8_t* d = dst + (b * groups + g) * bytes + 2 * col;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        if (bits == 8) {
+          d[(j / 2) * 2 * kCols + j % 2] = s[j];
+        } else if (j % 4 < 2) {  // inputs 4p + e (low nibble) and 4p + 2 + e (high)
+          TORCH_CHECK(s[j] < 16 && s[j + 2] < 16, "packed_codes: 4-bit codes must be 0..15");
+          d[(j / 4) * 2 * kCols + j % 4] = static_cast<uint8_t>(s[j] | (s[j + 2] << 4));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// The [N, K] matrix the codes stand for, exactly in fp32 (w = d q, d (q - 8) or d q + m), then
+// rounded once to `dtype`: the dense path for steps past the kernel's rows.
+at::Tensor packed_dequantize(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
+                             int64_t format, int64_t n, at::ScalarType dtype) {
+  const int64_t k = codes.size(1) * kGroup;
+  check_weights(codes, scales, offsets, format, k);
+  const int64_t groups = codes.size(1), bytes = codes.size(2);
+  at::Tensor w = at::empty({n, k}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* dp = scales.data_ptr<at::Half>();
+  const at::Half* mp = offsets ? offsets->data_ptr<at::Half>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / kCols, col = row % kCols;
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* run = cp + (b * groups + g) * bytes + 2 * col;
+        const int64_t at = (b * groups + g) * kCols + col;
+        const float d = dp[at], off = mp ? float(mp[at]) : 0.f;
+        for (int64_t j = 0; j < kGroup; ++j) {
+          float v;
+          if (format == kQ8_0) {
+            v = d * static_cast<int8_t>(run[(j / 2) * 2 * kCols + j % 2]);
+          } else {
+            const uint8_t byte = run[(j / 4) * 2 * kCols + j % 2];
+            const int q = j % 4 < 2 ? (byte & 0x0F) : (byte >> 4);
+            v = format == kQ4_0 ? d * float(q - 8) : d * float(q) + off;
+          }
+          wp[row * k + g * kGroup + j] = v;
+        }
+      }
+    }
+  });
+  return dtype == at::kFloat ? w : w.to(dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(verispec_cpu, m) {
+  m.def("packed_linear(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int format, int n, str variant=\"\") -> Tensor");
+  m.def("packed_codes(Tensor codes, int bits) -> Tensor");
+  m.def("packed_dequantize(Tensor codes, Tensor scales, Tensor? offsets, int format, int n, ScalarType dtype) -> Tensor");
+  m.def("packed_variants() -> str[]");
+  m.impl("packed_linear", c10::DispatchKey::CPU, &packed_linear);
+  m.impl("packed_codes", c10::DispatchKey::CPU, &packed_codes);
+  m.impl("packed_dequantize", c10::DispatchKey::CPU, &packed_dequantize);
+  m.impl("packed_variants", c10::DispatchKey::CompositeExplicitAutograd, &packed_variants);
+}
