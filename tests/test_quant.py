@@ -87,11 +87,12 @@ def _bound(x: torch.Tensor, w: torch.Tensor, slack: float) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 7, 100])  # 100 > kernel_max_rows: the dequantized dense path
 @pytest.mark.parametrize("n", [96, 200])  # 200 is not a multiple of the packing's 64-row blocks
 def test_quant_linear_matches_the_dequantized_matrix(bits, rows, n):
+    """torch's int4 kernels: the fast tier's matmul on CUDA, and on a CPU without verispec's."""
     g = torch.Generator().manual_seed(bits * 1000 + rows + n)
     q = quantize_rtn(torch.randn(n, 128, generator=g), bits)
     bias = torch.randn(n, generator=g)
-    layer = make_linear(q, torch.bfloat16, torch.device("cpu"), bias)
-    assert isinstance(layer, QuantLinear) and len(layer.planes) == (1 if bits == 4 else 2)
+    layer = QuantLinear(q, torch.bfloat16, torch.device("cpu"), bias)
+    assert len(layer.planes) == (1 if bits == 4 else 2)
     x = torch.randn(rows, 128, generator=g)
     w = q.dequantize()
     y = layer(x.bfloat16())
@@ -110,7 +111,7 @@ def test_kernel_rows_do_not_interact(bits):
     """Up to the kernels' row limit a row's output is bit-identical whatever rows share its call:
     what makes speculative and plain decoding agree to the last bit within the fast tier."""
     g = torch.Generator().manual_seed(bits)
-    layer = make_linear(quantize_rtn(torch.randn(200, 256, generator=g), bits), torch.bfloat16, torch.device("cpu"))
+    layer = QuantLinear(quantize_rtn(torch.randn(200, 256, generator=g), bits), torch.bfloat16, torch.device("cpu"))
     x = torch.randn(layer.kernel_max_rows, 256, generator=g).bfloat16()
     whole = layer(x)
     for rows in (1, 2, 5, 6, 17):

@@ -267,7 +267,7 @@ def packed_format(weight: QuantizedWeight) -> int | None:
 
 
 def _fp16_exact(t: torch.Tensor) -> bool:
-    return bool(torch.equal(t.half().float(), t.float()))
+    return bool(torch.isfinite(t).all()) and bool(torch.equal(t.half().float(), t.float()))
 
 
 def packed_wanted(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:

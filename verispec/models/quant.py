@@ -106,18 +106,35 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = GROUP_SIZE) 
     """Round-to-nearest group-wise quantization of a dense [N, K] matrix (K % group_size == 0).
 
     4 bits is asymmetric (the group's min..max onto 0..15), 8 bits symmetric (max |w| onto 127),
-    the forms of GGUF's Q4_1 and Q8_0."""
+    the forms of GGUF's Q4_1 and Q8_0, with fp16 scales and offsets as a GGUF file has them (so
+    the fast tier's packed kernel takes them as they are): the offset rounded down and the scale
+    up, so the group's range still fits the codes. A matrix past fp16's range keeps fp32 ones."""
     n, k = weight.shape
     w = weight.float().view(n, k // group_size, group_size)
     if bits == 4:
         lo, hi = w.amin(-1), w.amax(-1)
-        scale = (hi - lo) / 15
+        lo16 = _fp16_toward(lo, -1)
+        scale16 = _fp16_toward((hi - lo16) / 15, 1)
+        if torch.isfinite(lo16).all() and torch.isfinite(scale16).all():
+            lo, scale = lo16, scale16
+        else:
+            scale = (hi - lo) / 15
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = torch.round((w - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
         return QuantizedWeight(4, codes.view(n, k), scale, lo, group_size)
     if bits == 8:
         scale = w.abs().amax(-1) / 127
+        scale16 = _fp16_toward(scale, 1)
+        scale = scale16 if torch.isfinite(scale16).all() else scale
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
         return QuantizedWeight(8, codes.view(n, k), scale, None, group_size)
     raise ValueError(f"bits must be 4 or 8; got {bits}")
+
+
+def _fp16_toward(t: torch.Tensor, direction: int) -> torch.Tensor:
+    """The fp16 value nearest `t` on the side `direction` (-1: not above t, +1: not below), as fp32."""
+    h = t.half()
+    wrong = h.float() > t if direction < 0 else h.float() < t
+    step = torch.nextafter(h, torch.full_like(h, float("-inf") if direction < 0 else float("inf")))
+    return torch.where(wrong, step, h).float()
