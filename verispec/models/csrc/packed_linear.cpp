@@ -49,7 +49,7 @@ constexpr int64_t kBytes4 = kCols * kGroup / 2, kBytes8 = kCols * kGroup;
 constexpr int kMaxRows = 8;     // rows per register tile
 constexpr int kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2;  // the formats, as the op's `format` argument
 constexpr int32_t kActMax = 32767;
-constexpr int64_t kPrefetchGroups = 4;  // how far ahead the weights are prefetched
+constexpr int64_t kPrefetchGroups = 16;  // how far ahead the weights are prefetched
 
 struct Packed {
   const uint8_t* codes;  // [blocks, groups, bytes]

@@ -37,14 +37,12 @@ void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) 
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
       if constexpr (Fmt == kQ8_0) {
-#pragma GCC unroll 16
         for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes
           const typename V::W wv = V::load8(raw + p * 2 * kCols);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * k + 2 * p);
         }
       } else {
-#pragma GCC unroll 8
         for (int64_t p = 0; p < kGroup / 4; ++p) {  // two pairs of K per 32 bytes: low and high nibbles
           typename V::W w0, w1;
           V::load4(raw + p * 2 * kCols, w0, w1);
