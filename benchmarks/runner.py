@@ -44,6 +44,7 @@ from benchmarks.report import (
 from benchmarks.scenarios import (
     ADAPTIVE_SCENARIO,
     ALL_SCENARIOS,
+    COST_SCENARIO,
     PREFIX_SCENARIO,
     SCALING_SCENARIO,
     SCENARIOS,
@@ -55,6 +56,7 @@ from benchmarks.scenarios import (
     headlines,
     max_abs_diff,
 )
+from benchmarks.cost_curve import run_cost_curve, write_curve
 from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.spec import SpecRow, run_sweep, write_spec
@@ -346,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
                            "in process)", lambda: run_structured(tokenizer, cfg.quick, cfg.max_tokens, cfg.runs, log))
     scaling = _optional(cfg, state, SCALING_SCENARIO, "tensor parallelism: two ranks against one on this machine "
                         "(verispec, in process)", lambda: run_scaling(tokenizer, cfg.quick, log))
+    curve = _optional(cfg, state, COST_SCENARIO, "the cost curve: step time against rows per tier and kernel "
+                      "(verispec, in process)", lambda: run_cost_curve(cfg.quick, log))
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -359,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
                       "adaptive verification sweep" if s == ADAPTIVE_SCENARIO else
                       "prefix caching, cache on against off" if s == PREFIX_SCENARIO else
                       "structured output, a grammar against none" if s == STRUCTURED_SCENARIO else
-                      "tensor parallelism, two ranks against one" if s == SCALING_SCENARIO else "speculative sweep"
+                      "tensor parallelism, two ranks against one" if s == SCALING_SCENARIO else
+                      "step time against rows" if s == COST_SCENARIO else "speculative sweep"
                       for s in cfg.scenarios},
         "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
@@ -407,6 +412,9 @@ def run(args: argparse.Namespace) -> int:
     if scaling is not None:
         print()
         print(write_scaling(cfg.out, machine, scaling))
+    if curve is not None:
+        print()
+        print(write_curve(cfg.out, machine, curve))
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
            "fidelity": {r.tier: r.to_json() for r in state.fidelity}}

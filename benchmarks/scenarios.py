@@ -56,7 +56,9 @@ PREFIX_SCENARIO = "prefix"
 STRUCTURED_SCENARIO = "structured"
 # Tensor parallelism's cost on one machine, two ranks against one (verispec only): see benchmarks/scaling.py.
 SCALING_SCENARIO = "tp"
-ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO)
+COST_SCENARIO = "cost"
+ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO,
+                 COST_SCENARIO)
 
 
 def headlines() -> dict[str, str]:

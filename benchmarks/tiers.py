@@ -2,8 +2,8 @@
 
 - exact tier: `LLM(dtype="float32")`, dense fp32 weights, logprobs within ~1e-5 of HF fp32; the
   reference every other row's greedy output is compared with;
-- fast tier: `LLM(dtype="auto")`, which on the GGUF file keeps the Q4_1/Q8_0 matrices packed
-  (bfloat16 activations, torch's int4 kernels).
+- fast tier: `LLM(dtype="auto")`, which on the GGUF file keeps the Q4_1/Q8_0 blocks packed
+  (bfloat16 activations; on a CPU, verispec's packed kernel, int16 activations per block of 32).
 
 Both pass `dtype` explicitly, so a change of `LLM()`'s default never silently changes a row.
 The fast tier's outputs are not expected to equal the exact tier's; how far its distributions are
@@ -27,15 +27,14 @@ class Tier:
     key: str  # the Result.system of its rows
     label: str
     dtype: str  # LLM(dtype=...)
-    # The speculative row verifies with adaptive verification. In the fast tier a verify row costs
-    # more against a decode row than in the exact tier (the int4 kernel pays per row, bf16 SDPA per
-    # head), so a fixed k=5 that pays in fp32 does not pay there; the budget chooser, with the
-    # tier's own cost profile, decides how many drafts do.
+    # The speculative row verifies with adaptive verification: once the packed kernel is
+    # compute-bound (a few rows on a CPU) a verify row is not free, so the budget chooser, with
+    # the tier's own profiled cost curve, decides how many drafts pay.
     adaptive: bool = False
 
 
 EXACT = Tier("verispec", "verispec", "float32")
-FAST = Tier("verispec_fast", "verispec fast (gguf int4)", "auto", adaptive=True)
+FAST = Tier("verispec_fast", "verispec fast (gguf packed)", "auto", adaptive=True)
 TIERS: dict[str, Tier] = {t.key: t for t in (EXACT, FAST)}
 
 # (prompts, new tokens) of the fidelity check: the bar's own size in a full run; a smoke-test

@@ -4,15 +4,18 @@
   on a CPU, mostly fixed overhead, plus the Python that gathers blocks and builds masks; the kernel
   reads the cache blocks in place in a few microseconds, and on long prefill chunks it matches
   SDPA's flash attention. Its results do not depend on how a step is cut.
-- Weight-only quantized matmul (`csrc/quant_linear.cpp`: 8-bit and 4-bit codes decoded exactly
-  to fp32), for the Q8_0 lm_head in every CPU tier and for every matrix of the exact tier on GGUF
-  codes: 1.0 ms for one row of SmolLM2's 49152 x 576 head and 5.3 ms for 16, against 1.6 and
-  11.8 ms on two int4 planes, with fp32 output and the same arithmetic for any number of rows.
+- The fast tier's packed matmul (`csrc/packed_linear.cpp`): GGUF Q4_0 / Q4_1 / Q8_0 blocks as in
+  the file, int16 activations per block of 32, exact integer dot products, one pass over the
+  weights for all of a call's rows; VNNI variants chosen at run time (models/linear.py,
+  `PackedLinear`).
+- Weight-only quantized matmul for the exact tier on GGUF codes (`csrc/quant_linear.cpp`: 8-bit
+  and 4-bit codes decoded exactly to fp32, fp32 activations): fp32 output and the same
+  arithmetic for any number of rows.
 
 The library is compiled at torch's own CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`,
 which `ATEN_CPU_CAPABILITY` can lower) with the flags torch builds that level with, into `kernels/`
 under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the source,
-torch's version, the level and the compiler, so a machine builds it once (about 15 s). A level whose
+torch's version, the level, its flags and the compiler, so a machine builds it once (about 25 s). A level whose
 build fails falls back to the next one down (AVX512, AVX2, then the portable build); the failure is
 remembered beside the library, with the compiler's full output in a log file, and reported in one
 line, so a machine does not retry it at every start. No compiler, every build failed, or
@@ -203,7 +206,7 @@ kernel_build.cache_clear = _kernel_build.cache_clear  # for tests that switch th
 
 
 def cpu_kernels_available() -> bool:
-    """Whether `torch.ops.verispec_cpu` (paged_attention, int8_linear, int4_linear) is loaded."""
+    """Whether `torch.ops.verispec_cpu` (paged_attention, packed_linear, int8_linear, int4_linear) is loaded."""
     return kernel_build().level is not None
 
 

@@ -1,9 +1,13 @@
-"""Linear layers: dense weights, or quantized weights kept packed for torch's int4 kernels.
+"""Linear layers: dense weights, or quantized weights kept packed for a quantized kernel.
+
+On a CPU with verispec's kernels the fast tier runs `PackedLinear` (the file's blocks, verispec's
+packed kernel) and the exact tier on codes `DecodedLinear`; `QuantLinear` (torch's int4 kernels,
+below) serves CUDA and CPUs without verispec's kernels.
 
 Dense weights are held transposed ([in, out]): on this CPU class `x @ W_t` beats
 `F.linear(x, W)` by up to 2x for the skinny decode shapes (see docs/design.md).
 
-A quantized matrix runs through `_weight_int4pack_mm` (CUDA) / `_weight_int4pack_mm_for_cpu`,
+On torch's kernels a quantized matrix runs through `_weight_int4pack_mm` (CUDA) / `_weight_int4pack_mm_for_cpu`,
 which compute w = (c - 8) * S + Z per group of 32 with codes c in 0..15. Both of our formats map
 onto it without re-quantizing (see `verispec.models.quant`):
 - 4 bits, w = scale * q + offset: one plane, c = q, S = scale, Z = offset + 8 * scale;
@@ -18,6 +22,7 @@ packing is private and differs by CPU capability), and runs as a dense matmul.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -271,9 +276,10 @@ def _fp16_exact(t: torch.Tensor) -> bool:
 
 
 def packed_wanted(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-    """The fast tier's CPU matrices (and its 8-bit lm_head) run packed when the kernels are here."""
+    """The fast tier's CPU matrices (and its 8-bit lm_head) run packed when the kernels are here;
+    `VERISPEC_PACKED_KERNEL=0` puts them back on torch's int4 kernel (for comparisons)."""
     return (dtype != torch.float32 and torch.device(device).type == "cpu" and packed_format(weight) is not None
-            and cpu_kernels_available())
+            and os.environ.get("VERISPEC_PACKED_KERNEL", "1") != "0" and cpu_kernels_available())
 
 
 def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None,

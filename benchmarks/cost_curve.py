@@ -1,0 +1,180 @@
+"""The cost curve: one step's time against its number of rows, per tier and matmul kernel.
+
+Speculation pays when a verify step of k + 1 rows costs little more than a one-row step. For each
+configuration below, the bundled model runs a step of n rows of one sequence (a verify step's
+shape: n query rows over 64 + n cached tokens), forward plus logits, compiled as the engine runs
+it; the figure is the best of `reps` after warm-up. Beside it, the bare loop of the model's own
+packed matmuls (the 121 matrices in the order a step calls them, nothing else), with the bytes it
+reads and the multiply-adds it does per second, for the profile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROWS = (1, 2, 4, 6, 8, 16)
+# (label, LLM options, environment): each a system of its own, loaded one at a time.
+CONFIGS: tuple[tuple[str, dict[str, Any], dict[str, str]], ...] = (
+    ("fast, verispec packed", {"dtype": "auto"}, {}),
+    ("fast, torch int4", {"dtype": "auto"}, {"VERISPEC_PACKED_KERNEL": "0"}),
+    ("exact on codes (verispec decoded)", {"dtype": "float32", "quantization": "gguf"}, {}),
+    ("exact fp32 (dense)", {"dtype": "float32"}, {}),
+)
+VERIFY_ROWS = 6  # k = 5 drafts and the bonus row
+VERIFY_TARGET = 1.3  # a 6-row step at most 1.3x a 1-row step in the fast tier
+
+
+@dataclass(slots=True)
+class CurveRow:
+    config: str
+    rows: int
+    step_ms: float
+    matmul_ms: float | None = None  # the bare packed loop (packed configuration only)
+    gb_s: float | None = None
+    gmac_s: float | None = None
+
+    def ratio(self, one: "CurveRow") -> float:
+        return self.step_ms / one.step_ms
+
+
+def _step_times(model: Any, rows: tuple[int, ...], reps: int) -> dict[int, float]:
+    import torch
+
+    from verispec.models.attention import SeqSpan, build_attention_metadata
+
+    context = 64
+    blocks = -(-(context + max(rows)) // 16)
+    kv = model.new_kv_cache(blocks, 16)
+    out = {}
+    with torch.inference_mode():  # inference tensors: the compiled graph takes them
+        for n in rows:
+            meta = build_attention_metadata([SeqSpan(0, n, context + n, list(range(blocks)))], 16,
+                                            model.embed.device, model.dtype)
+            ids, pos = torch.zeros(n, dtype=torch.long), torch.arange(context, context + n)
+            for _ in range(3):
+                model.compute_logits(model(ids, pos, meta, kv.layers))
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                model.compute_logits(model(ids, pos, meta, kv.layers))
+                best = min(best, time.perf_counter() - t0)
+            out[n] = best * 1e3
+    return out
+
+
+def _bare_packed_loop(model: Any, rows: tuple[int, ...], reps: int) -> dict[int, tuple[float, float, float]]:
+    """ms, GB/s and GMAC/s of the model's packed matmuls alone, in step order."""
+    import torch
+
+    from verispec.models.linear import PackedLinear
+
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    nbytes = sum(m.codes.nbytes + m.scales.nbytes + (0 if m.offsets is None else m.offsets.nbytes) for m in layers)
+    macs = sum(m.n * m.codes.shape[1] * 32 for m in layers)
+    out = {}
+    with torch.inference_mode():
+        for n in rows:
+            xs = {m: torch.randn(n, m.codes.shape[1] * 32, dtype=model.dtype) for m in layers}
+
+            def loop():
+                for m in layers:
+                    m(xs[m])
+            loop()
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                loop()
+                best = min(best, time.perf_counter() - t0)
+            out[n] = (best * 1e3, nbytes / best / 1e9, n * macs / best / 1e9)
+    return out
+
+
+def run_cost_curve(quick: bool, log: Callable[[str], None]) -> list[CurveRow]:
+    import gc
+
+    from verispec import LLM
+    from verispec.models.linear import PackedLinear
+
+    reps = 5 if quick else 15
+    rows: list[CurveRow] = []
+    configs = CONFIGS[:2] if quick else CONFIGS
+    for label, options, env in configs:
+        log(f"cost curve: {label} ...")
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            llm = LLM(num_kv_blocks=16, **options)
+            model = llm.engine.model
+            steps = _step_times(model, ROWS, reps)
+            packed = any(isinstance(m, PackedLinear) for m in model.modules())
+            bare = _bare_packed_loop(model, ROWS, reps) if packed else {}
+            for n in ROWS:
+                ms, gb, gmac = bare.get(n, (None, None, None))
+                rows.append(CurveRow(label, n, steps[n], ms, gb, gmac))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k)
+                else:
+                    os.environ[k] = v
+            llm = model = None
+            gc.collect()
+    return rows
+
+
+def format_curve(rows: list[CurveRow]) -> str:
+    configs = list(dict.fromkeys(r.config for r in rows))
+    lines = ["| configuration | " + " | ".join(f"{n} rows" for n in ROWS) + f" | {VERIFY_ROWS} rows / 1 row |",
+             "|---|" + "---|" * (len(ROWS) + 1)]
+    for c in configs:
+        mine = {r.rows: r for r in rows if r.config == c}
+        cells = [f"{mine[n].step_ms:.2f} ms ({mine[n].ratio(mine[1]):.2f}x)" for n in ROWS]
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {mine[VERIFY_ROWS].ratio(mine[1]):.2f}x |")
+    bare = [r for r in rows if r.matmul_ms is not None]
+    if bare:
+        lines += ["", "Bare packed matmul loop (the model's 121 matrices, nothing else):", "",
+                  "| rows | ms | GB/s of weights | GMAC/s |", "|---|---|---|---|"]
+        lines += [f"| {r.rows} | {r.matmul_ms:.2f} | {r.gb_s:.1f} | {r.gmac_s:.1f} |" for r in bare]
+    fast = {r.rows: r for r in rows if r.config == CONFIGS[0][0]}
+    if fast:
+        ratio = fast[VERIFY_ROWS].ratio(fast[1])
+        status = "met" if ratio <= VERIFY_TARGET else "missed"
+        lines += ["", f"Target: {VERIFY_ROWS}-row verify step <= {VERIFY_TARGET}x a 1-row step, fast tier: "
+                      f"{ratio:.2f}x, {status}"]
+    return "\n".join(lines)
+
+
+def plot_curve(path: Path, rows: list[CurveRow]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for c in dict.fromkeys(r.config for r in rows):
+        mine = sorted((r.rows, r.step_ms) for r in rows if r.config == c)
+        ax.plot([n for n, _ in mine], [t for _, t in mine], marker="o", label=c)
+    ax.set_xlabel("rows in the step (one sequence: a verify step's shape)")
+    ax.set_ylabel("step time, ms (forward + logits)")
+    ax.set_xticks(list(ROWS))
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("SmolLM2-135M step cost against rows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_curve(out: Path, machine: dict[str, Any], rows: list[CurveRow]) -> str:
+    md = format_curve(rows)
+    (out / "cost_curve.md").write_text(md + "\n")
+    (out / "cost_curve.json").write_text(json.dumps({"machine": machine, "rows": [asdict(r) for r in rows]}, indent=1))
+    plot_curve(out / "cost_curve.png", rows)
+    return md
