@@ -225,8 +225,8 @@ def _run_system(system: System, cfg: BenchConfig, prompts: dict[str, list[Prompt
     if system.key == "verispec" and SPEC_SCENARIO in cfg.scenarios:
         log("speculative decoding sweep (verispec, batch 1) ...")
         state.spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log, system.engines())  # type: ignore[attr-defined]
-    if system.key == "verispec" and ADAPTIVE_SCENARIO in cfg.scenarios:
-        log("adaptive verification sweep (verispec, by batch size) ...")
+    if system.key == FAST.key and ADAPTIVE_SCENARIO in cfg.scenarios:
+        log("adaptive verification sweep (verispec fast tier, by batch size) ...")
         # The bench's plain engine is the sweep's reference; no other bench engine matches a config.
         state.adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log,
                                            {"none": system.llm},  # type: ignore[attr-defined]
