@@ -63,8 +63,11 @@ class KernelBuild:
     reason: str = ""  # why not torch's own level, or why none; empty when all is as wanted
 
     def describe(self) -> str:
-        """For the start-up line and the metrics label."""
-        return f"verispec {self.level}" if self.level else f"off ({self.reason})"
+        """For the start-up line and the metrics label: the level, and the packed matmul's
+        variant on this CPU (e.g. `verispec AVX512 (packed avx512_vnni)`)."""
+        if not self.level:
+            return f"off ({self.reason})"
+        return f"verispec {self.level} (packed {torch.ops.verispec_cpu.packed_variants()[0]})"
 
 
 def cxx_compiler() -> str | None:
