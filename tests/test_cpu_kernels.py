@@ -263,12 +263,16 @@ def test_quant_linear_kernel_matches_float64_and_rows_do_not_interact(n, bits):
         assert torch.equal(y, torch.cat([head(x[i : i + 1]) for i in range(rows)]))
 
 
-def test_an_8_bit_lm_head_runs_on_the_kernel(tiny_llama):
-    from verispec.models.linear import DecodedLinear
+def test_an_8_bit_lm_head_runs_on_the_kernels_with_fp32_logits(tiny_llama):
+    """The fast tier's on the packed kernel, the exact tier on the codes' on the decoding one."""
+    from verispec.models.linear import DecodedLinear, PackedLinear
     from verispec.models.llama import LlamaModel
     from verispec.models.loader import load_checkpoint
 
     cfg, weights = load_checkpoint(tiny_llama, torch.bfloat16, "int8")
     model = LlamaModel(cfg, weights)
-    assert isinstance(model.lm_head, DecodedLinear)
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.float_output
     assert model.compute_logits(torch.randn(3, cfg.hidden_size).bfloat16()).dtype == torch.float32
+    exact = LlamaModel(cfg, weights, dtype=torch.float32)
+    assert isinstance(exact.lm_head, DecodedLinear)
+    assert exact.compute_logits(torch.randn(3, cfg.hidden_size)).dtype == torch.float32
