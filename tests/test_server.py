@@ -298,7 +298,7 @@ def test_metrics_exposes_engine_and_latency(server):
     capability = torch.backends.cpu.get_cpu_capability()
     assert 'tier="exact"' in info and f'cpu_capability="{capability}"' in info and 'step="eager"' in info
     assert info.endswith(" 1.0")
-    assert f'kernels="verispec {capability}"' in info if kernels_wanted() else 'kernels="off (' in info
+    assert f'kernels="verispec {capability} (packed ' in info if kernels_wanted() else 'kernels="off (' in info
 
 
 def test_prefix_cache_over_http_salts_reset_and_metrics(server, smollm2_llm):
