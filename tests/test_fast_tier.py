@@ -158,6 +158,23 @@ def test_speculative_equals_plain_within_the_quantized_tier(tiny_llama, quantiza
     print(f"{quantization} {spec['method']}: max |logprob spec - plain| = {gap:.2e}")
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_speculative_equals_plain_when_verify_steps_pass_the_kernels_rows(tiny_llama, quantization):
+    """48 requests verifying k = 5 drafts make steps of up to 288 rows, past the 64 rows after
+    which long prefill chunks take the dense path; decode and verify rows stay on the kernel (and
+    the head takes any number of rows), so the output still equals plain decoding's."""
+    prompts = random_prompts(48, 8, 30, seed=5)
+    prompts = [p + p[:10] for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    kw = dict(quantization=quantization, max_num_batched_tokens=2048)
+    base = LLM(tiny_llama, **kw).generate(prompts, params, use_tqdm=False)
+    spec = dict(NGRAM, num_speculative_tokens=5)
+    llm = LLM(tiny_llama, speculative_config=spec, **kw)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats()["num_drafts"] > 0
+    assert assert_same_output(base, out) == 0.0
+
+
 @pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
 def test_quantized_tier_logprobs_come_from_its_own_distribution(tiny_llama, mode):
     """Greedy decode in the int4 tier: each emitted token is the argmax of the tier's own

@@ -152,12 +152,29 @@ def test_past_the_kernels_rows_the_dense_path_computes_the_same_matrix():
     assert ((y.double() - ref).abs() <= 4 * 2.0**-8 * scale + 1e-6).all()
 
 
+def test_in_a_long_step_decode_rows_stay_on_the_kernel():
+    from verispec.models.attention import SeqSpan
+    from verispec.models.linear import step_rows
+
+    layer = PackedLinear(gguf_like("Q4_1", 64, 128, seed=13), CPU)
+    x = torch.randn(100, 128, generator=torch.Generator().manual_seed(14)).bfloat16()
+    spans = [SeqSpan(0, 6, 40, []), SeqSpan(6, 90, 90, []), SeqSpan(96, 4, 10, [])]  # verify, chunk, verify
+    with step_rows(spans, 100, CPU):
+        y = layer(x)
+    short = torch.cat([torch.arange(6), torch.arange(96, 100)])
+    assert torch.equal(y[short].view(torch.int16), run(layer, x[short]).view(torch.int16))
+    assert torch.equal(y[6:96], layer._dense(x[6:96]))
+    assert torch.equal(layer(x), layer._dense(x))  # outside a step: a plain long batch is dense
+
+
 def test_the_lm_head_returns_fp32_logits():
     w = gguf_like("Q8_0", 48, 64, seed=12)
     head = make_linear(w, torch.bfloat16, CPU, head=True)
     assert isinstance(head, PackedLinear) and head.float_output
     x = torch.randn(2, 64).bfloat16()
     assert head(x).dtype == torch.float32 and torch.equal(head(x), run(head, x.float()))
+    many = torch.randn(300, 64).bfloat16()  # any number of rows on the kernel: row-invariant logits
+    assert torch.equal(head(many)[-2:], head(many[-2:]))
 
 
 def test_the_fast_tier_packs_every_gguf_format_and_round_to_nearest():

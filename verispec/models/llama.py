@@ -14,7 +14,7 @@ from torch import nn
 
 from verispec.models.attention import AttentionMetadata, attention, attention_context
 from verispec.models.config import ModelConfig
-from verispec.models.linear import make_linear
+from verispec.models.linear import make_linear, step_rows
 from verispec.models.quant import QuantizedWeight, concat_rows
 
 
@@ -160,7 +160,8 @@ class LlamaModel(nn.Module):
         with attention_context(meta, kv_caches):
             if num_layers is None and self.compiled is not None and self.compiled.takes(input_ids):
                 return self.compiled(input_ids, positions)
-            return self.stack(input_ids, positions, num_layers)
+            with step_rows(meta.spans, input_ids.shape[0], input_ids.device):
+                return self.stack(input_ids, positions, num_layers)
 
     def stack(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
