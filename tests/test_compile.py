@@ -67,6 +67,28 @@ def test_compiled_fast_tier_speculative_equals_plain_without_recompiling(tiny_ll
     print(f"compiled {quantization}: max |logprob spec - plain| = {assert_same_output(*outputs):.2e}")
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_the_compiled_fast_tier_rounds_as_eager_does(tiny_llama, compiling, quantization):
+    """A step past the graph's 64 rows runs eager, so a decode row must compute alike on both
+    paths: Inductor emulates eager's bf16 rounding of each op's result (`emulate_precision_casts`).
+    Without it a verify step of 32 requests rounded differently from their plain decode steps."""
+    from verispec.models.attention import SeqSpan, attention_context, build_attention_metadata
+
+    llm = LLM(tiny_llama, quantization=quantization)
+    model = llm.engine.model
+    assert model.compiled is not None and model.dtype == torch.bfloat16
+    kv = model.new_kv_cache(8, 16)
+    n = 24
+    meta = build_attention_metadata([SeqSpan(0, n, n, list(range(8)))], 16, torch.device("cpu"), model.dtype)
+    with torch.inference_mode():
+        ids = torch.tensor(random_prompts(1, n, n + 1, seed=3)[0][:n])
+        pos = torch.arange(n)
+        compiled = model(ids, pos, meta, kv.layers)  # the graph
+        with attention_context(meta, kv.layers):
+            eager = model.stack(ids, pos)
+    assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
+
+
 def test_enforce_eager_and_the_environment_switch_compilation_off(tiny_llama, monkeypatch):
     monkeypatch.setenv("VERISPEC_COMPILE", "1")
     assert LLM(tiny_llama, enforce_eager=True).engine.model.compiled is None

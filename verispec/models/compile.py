@@ -11,6 +11,9 @@ runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls the
   evaluation (more than half a millisecond per step) is filtered out; `warm_up` compiles the
   graph and runs it at the sizes that matter before the first request.
 - Inductor's C++ wrapper calls the kernels from C++, not from a Python wrapper.
+- Inductor rounds each bf16 intermediate as eager does (`emulate_precision_casts`): a row gets
+  the same bits in the graph and in a step too long for it, so batch invariance holds across the
+  two paths.
 - Inductor's on-disk cache lives under verispec's cache, one directory per CPU capability: its
   keys do not include `ATEN_CPU_CAPABILITY`, and C++ generated for AVX2 fails to build at the
   portable level (and AVX-512 code would not run on an AVX2 machine).
@@ -73,7 +76,11 @@ class CompiledStack:
         # No guards at all: this model's one graph serves every call `takes` admits (inference
         # tensors, up to max_tokens rows, the size symbolic), and checking ~300 weight tensors'
         # guards would cost more than half a millisecond per step.
-        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        # emulate_precision_casts: fused bf16 ops round each intermediate as eager does, so a row
+        # computes alike in the graph and in a longer step that runs eager (speculative output at
+        # batch 32 equals plain output only with it).
+        options = {"cpp_wrapper": True, "emulate_precision_casts": True,
+                   "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         self._fn = torch.compile(types.MethodType(fn, model), dynamic=True, options=options)
         self.max_tokens = max_tokens
         self.warm = False
