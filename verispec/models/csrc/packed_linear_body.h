@@ -9,6 +9,8 @@
 // Each row's group sum is split over C independent integer chains (a multiply-add waits ~5 cycles
 // for its predecessor, so one row alone would stall on one chain); integer sums are exact, so
 // the split never changes a result.
+// long: the hot loop reads top to bottom (prefetch, integer sums, one fp32 combine per group);
+// split into helpers, its accumulators would no longer provably stay in registers.
 template <int Fmt, int R>
 void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
   constexpr int64_t bytes = Fmt == kQ8_0 ? kBytes8 : kBytes4;
