@@ -189,10 +189,8 @@ class DecodedLinear(nn.Module):
         self.n = weight.shape[0]
         codes = weight.codes.to(torch.int8 if weight.bits == 8 else torch.uint8)
         per_group = [weight.scale.float()] + ([] if weight.offset is None else [weight.offset.float()])
-        pad = -self.n % 16
-        if pad:  # padded columns have zero codes, scales and offsets: they compute 0 and are sliced off
-            codes, per_group = F.pad(codes, (0, 0, 0, pad)), [F.pad(t, (0, 0, 0, pad)) for t in per_group]
-        # [N/16, K, 16] and [N/16, K/G, 16]: each block of 16 output columns contiguous over K.
+        # [N/16, K, 16] and [N/16, K/G, 16]: each block of 16 output columns contiguous over K;
+        # `_blocked` pads the last block with zero codes, scales and offsets (they compute 0).
         self.register_buffer("codes", _blocked(codes).to(device), persistent=False)
         self.register_buffer("scales", _blocked(per_group[0]).to(device), persistent=False)
         self.register_buffer("offsets", _blocked(per_group[1]).to(device) if len(per_group) > 1 else None,
@@ -343,8 +341,8 @@ def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Te
     if isinstance(weight, QuantizedWeight):
         if packed_wanted(weight, dtype, device):
             bias = None if bias is None else bias.to(dtype)
-            max_rows = {k: v for k, v in quant_options.items() if k == "kernel_max_rows"}  # not `dense`
-            return PackedLinear(weight, device, bias, float_output=head, **max_rows)
+            quant_options.pop("dense", None)  # the packed head takes any number of rows: no table needed
+            return PackedLinear(weight, device, bias, float_output=head, **quant_options)
         wants_decoded = (head and weight.bits == 8) or dtype == torch.float32
         if wants_decoded and bias is None and decoded_wanted(weight, device):
             return DecodedLinear(weight, device)
