@@ -276,3 +276,59 @@ def test_an_8_bit_lm_head_runs_on_the_kernels_with_fp32_logits(tiny_llama):
     exact = LlamaModel(cfg, weights, dtype=torch.float32)
     assert isinstance(exact.lm_head, DecodedLinear)
     assert exact.compute_logits(torch.randn(3, cfg.hidden_size)).dtype == torch.float32
+
+
+@pytest.fixture
+def kernels():
+    assert cpu_kernels.cpu_kernels_available(), cpu_kernels.kernel_build().reason
+
+
+def one_order_rms_norm(x, w, eps):
+    """verispec_cpu::rms_norm's arithmetic in torch's correctly rounded elementwise fp32 ops: the
+    squares into 16 lanes in order, the lanes summed pairwise, one rounding before the scale."""
+    d, lanes = x.shape[-1], 16
+    sq = x.float().reshape(-1, d) ** 2  # exact: a bf16 / fp16 square fits fp32
+    acc = torch.zeros(sq.shape[0], lanes)
+    for i in range(0, d - d % lanes, lanes):
+        acc += sq[:, i : i + lanes]
+    acc[:, : d % lanes] += sq[:, d - d % lanes :]
+    width = lanes // 2
+    while width:
+        acc = acc[:, :width] + acc[:, width : 2 * width]
+        width //= 2
+    inv = 1.0 / torch.sqrt(acc / d + torch.tensor(eps, dtype=torch.float32))
+    normed = (x.float().reshape(-1, d) * inv).to(x.dtype)
+    return (w.float() * normed.float()).to(x.dtype).reshape(x.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [576, 64, 100, 7])
+def test_rms_norm_computes_its_one_order_bit_for_bit(kernels, dtype, d):
+    """The same bits at every level (this module reruns at each): an emulation of the op's order
+    in elementwise torch ops, which round correctly everywhere. And within the arithmetic's bound
+    of the float64 value: the normalised row before its one rounding is off by a few fp32 units
+    (d additions), so it rounds to one of the two neighbours of the exact value."""
+    g = torch.Generator().manual_seed(d)
+    # Log-normal magnitudes: a few huge entries, as in a residual stream, make the order matter.
+    x = (torch.randn(300, d, generator=g) * torch.randn(300, d, generator=g).mul(1.5).exp()).to(dtype)
+    w = (torch.rand(d, generator=g) + 0.5).to(dtype)
+    y = torch.ops.verispec_cpu.rms_norm(x, w, 1e-5)
+    assert y.dtype == dtype and torch.equal(y, one_order_rms_norm(x, w, 1e-5))
+    xd = x.double()
+    exact = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    # Two roundings to the dtype (normalised, then scaled) and a few fp32 units before them; fp16's
+    # subnormals round by an absolute step.
+    want = w.double() * exact
+    subnormal = torch.finfo(dtype).tiny * 2 * EPS[dtype] * (1 + w.double())
+    assert ((y.double() - want).abs() <= 2.1 * EPS[dtype] * want.abs() + subnormal).all()
+
+
+def test_rms_norm_takes_any_leading_shape_and_strides_and_refuses_mismatches(kernels):
+    x = torch.randn(4, 6, 32).bfloat16()
+    w = torch.rand(32).bfloat16()
+    view = x[:, 2:]  # a non-contiguous view, as a Qwen3 q / k head slice is
+    assert torch.equal(torch.ops.verispec_cpu.rms_norm(view, w, 1e-6), one_order_rms_norm(view.contiguous(), w, 1e-6))
+    with pytest.raises(RuntimeError, match="last dimension"):
+        torch.ops.verispec_cpu.rms_norm(x, torch.rand(16).bfloat16(), 1e-6)
+    with pytest.raises(RuntimeError, match="bfloat16 or both float16"):
+        torch.ops.verispec_cpu.rms_norm(x.float(), w.float(), 1e-6)

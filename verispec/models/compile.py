@@ -90,16 +90,16 @@ class CompiledStack:
         The graph is built for inference tensors (the engine's); others run eager too."""
         return input_ids.shape[0] <= self.max_tokens and input_ids.is_inference()
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not self.warm:  # compiling: one graph whatever the size, 1 included (no 0/1 specialisation)
-            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-            torch._dynamo.decorators.mark_unbacked(positions, 0)
+            for t in (input_ids, cos, sin):
+                torch._dynamo.decorators.mark_unbacked(t, 0)
             # The model's float constants (norm eps, rope, attention scale) never change: traced
             # as symbols, they make Dynamo trace the whole stack a second time (a third of the
             # compile) to specialise them after all.
             with torch._dynamo.config.patch(specialize_float=True):
-                return self._fn(input_ids, positions)
-        return self._fn(input_ids, positions)
+                return self._fn(input_ids, cos, sin)
+        return self._fn(input_ids, cos, sin)
 
 
 def warm_up_sizes() -> tuple[int, ...]:

@@ -44,7 +44,7 @@ from verispec.models.loader import cache_dir
 logger = logging.getLogger("verispec.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "quant_linear.cpp", "packed_linear.cpp")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "quant_linear.cpp", "packed_linear.cpp", "rms_norm.cpp")]
 _HEADERS = [_CSRC / "packed_linear_body.h"]  # included by the sources: part of the build's key
 # torch's CPU dispatch levels, best first -> the macro its vector headers read and the flags torch
 # compiles that level's kernels with (AVX2's headers convert halves with F16C instructions).
@@ -222,12 +222,13 @@ _fakes_registered = False
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile: the matmuls sit inside the compiled layer stack."""
+    """Shapes for torch.compile: the matmuls and norms sit inside the compiled layer stack."""
     global _fakes_registered
     if not _fakes_registered:
         for name in ("int8_linear", "int4_linear"):
             torch.library.register_fake(f"verispec_cpu::{name}")(_matmul_shape)
         torch.library.register_fake("verispec_cpu::packed_linear")(_packed_shape)
+        torch.library.register_fake("verispec_cpu::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
         _fakes_registered = True
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from verispec.models.attention import AttentionMetadata, attention, attention_context
 from verispec.models.config import ModelConfig
+from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.linear import make_linear, step_rows
 from verispec.models.quant import QuantizedWeight, concat_rows
 
@@ -23,8 +24,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        # bf16 / fp16 on a CPU: verispec's op, one order of arithmetic in the compiled graph and
+        # eager alike (Inductor's own reduction rounds some rows differently: batch invariance).
+        self.fixed_order = (weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
+                            and cpu_kernels_available())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fixed_order:
+            return torch.ops.verispec_cpu.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused op; bit-identical to the expanded form in fp32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 whatever the weights are, round, then scale, as the reference
@@ -158,14 +165,17 @@ class LlamaModel(nn.Module):
 
         num_layers runs only the first layers (then the final norm): the layer-skip drafter."""
         with attention_context(meta, kv_caches):
+            # The rotary tables are computed eager on both paths: Inductor's sin and cos round
+            # some positions differently from ATen's, and a row must compute alike on both.
+            cos, sin = self.rope(positions)
             if num_layers is None and self.compiled is not None and self.compiled.takes(input_ids):
-                return self.compiled(input_ids, positions)
+                return self.compiled(input_ids, cos, sin)
             with step_rows(meta.spans, input_ids.shape[0], input_ids.device):
-                return self.stack(input_ids, positions, num_layers)
+                return self.stack(input_ids, cos, sin, num_layers)
 
-    def stack(self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+    def stack(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              num_layers: int | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
             x = layer(x, cos, sin)
