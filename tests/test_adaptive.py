@@ -176,14 +176,14 @@ def mixed_params(max_tokens: int = 32) -> list[SamplingParams]:
 
 
 def capture_layouts(monkeypatch) -> list[list[int]]:
-    """Records each verify step's per-request capacities (read after the step, in the test)."""
+    """Records each verify step's per-request capacities (read after the step, in the test): the
+    device's admission (model drafters), or the drafts the host's trim left (ngram)."""
     seen: list[torch.Tensor] = []
     original = verify_mod.verify
 
-    def recording(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if out.num_verified is not None:  # adaptive verification decided the capacities
-            seen.append(out.num_verified)
+    def recording(model, hidden, meta, *rest):
+        out = original(model, hidden, meta, *rest)
+        seen.append(out.num_verified if out.num_verified is not None else torch.tensor(meta.num_draft_tokens))
         return out
 
     import verispec.engine.runner as runner_mod

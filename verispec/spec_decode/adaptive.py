@@ -21,7 +21,9 @@ start-up. The host picks B from the scores it already has (ngram: this step's; m
 each request's survivals from its previous step, copied back with the step's one D2H copy), so it
 never waits for the device. It also trims each request's drafts to the host's own top slots (plus
 a little slack for model drafters, whose true scores it does not know yet): those tokens run
-through the forward. The device then admits the B highest-scoring slots by this step's scores:
+through the forward. For ngram the host's scores are this step's own, so that trim is the
+admission and every draft left is verified. For model drafters the device then admits the B
+highest-scoring slots by this step's scores:
 per-request capacities, always a prefix of each request's drafts, whose boundaries
 (`cu_num_logits`) exist only on the device. Only admitted rows and one bonus row per request get
 logits and verification.
@@ -184,23 +186,17 @@ class RequestHistory:
 
 @dataclass(slots=True)
 class AdaptivePlan:
-    """One step's plan: the budget B and the scores the device admits slots by."""
+    """A model drafter's step plan: the budget B, and what the device scores slots with."""
 
     budget: int
-    host_scores: dict[str, list[float]]  # request id -> survival score of each slot it keeps
-    # Model drafters: (q-peak bucket edges, [greedy/random, bucket] acceptance table) for the
-    # device-side scores; None: the host scores are this step's own (ngram).
-    calibration: tuple[torch.Tensor, torch.Tensor] | None
+    # (q-peak bucket edges, [greedy/random, bucket] acceptance table): the device-side scores.
+    calibration: tuple[torch.Tensor, torch.Tensor]
 
     def survival(self, reqs, num_drafts: list[int], confidence: list[torch.Tensor | None],
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[R, K] survival scores on the device (-inf past each request's drafts), and for model
-        drafters the raw q peaks [R, K] (zeros past the drafts), which go back to the host."""
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """[R, K] survival scores on the device (-inf past each request's drafts), and the raw q
+        peaks [R, K] (zeros past the drafts), which go back to the host."""
         k = max(num_drafts)
-        if self.calibration is None:
-            host = [self.host_scores.get(r.request_id, [])[:d] for r, d in zip(reqs, num_drafts)]
-            return to_device([x + [float("-inf")] * (k - len(x)) for x in host], dtype=torch.float32,
-                             device=device), None
         edges, table = self.calibration
         raw = torch.zeros(len(reqs), k, device=device)
         for i, c in enumerate(confidence):
@@ -268,8 +264,10 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ the plan
     def plan(self, scheduled, device: torch.device) -> AdaptivePlan | None:
-        """Picks this step's budget B and trims each request's drafts to the forward's share;
-        None when no request drafts."""
+        """Picks this step's budget B and trims each request's drafts to the forward's share. The
+        plan for the device, or None when it has nothing to admit: no request drafts, or the
+        host's scores are this step's own (ngram), so the trim keeps exactly the B best slots and
+        every draft left is verified."""
         drafting = [s for s in scheduled if s.draft_token_ids]
         if not drafting:
             return None
@@ -279,18 +277,15 @@ class AdaptiveController:
         flat = [x for row in scores for x in row]
         budget = choose_budget(flat, num_emitting, base, self.cost)
         keep = budget if self.exact_host_scores else min(len(flat), budget + max(1, budget // 4))
-        kept = {}
-        for s, row, n in zip(drafting, scores, top_slots_per_request(scores, keep)):
+        for s, n in zip(drafting, top_slots_per_request(scores, keep)):
             s.draft_token_ids = s.draft_token_ids[:n]
-            kept[s.request.request_id] = row[:n]
         self.stats.num_steps += 1
         self.stats.budget_total += budget
         self.stats.drafted_total += keep
-        calibration = None
-        if not self.exact_host_scores:
-            calibration = (to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
-                           to_device(self.calibration, dtype=torch.float32, device=device))
-        return AdaptivePlan(budget, kept, calibration)
+        if self.exact_host_scores:
+            return None
+        return AdaptivePlan(budget, (to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
+                                     to_device(self.calibration, dtype=torch.float32, device=device)))
 
     # ------------------------------------------------------------------ after the step
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:
