@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -296,7 +297,10 @@ def one_order_rms_norm(x, w, eps):
     while width:
         acc = acc[:, :width] + acc[:, width : 2 * width]
         width //= 2
-    inv = 1.0 / torch.sqrt(acc / d + torch.tensor(eps, dtype=torch.float32))
+    # The row's scalars in numpy's float32, which rounds each step correctly everywhere (torch's
+    # sqrt may run on MKL's vector math, within an ulp, at some instruction sets).
+    total = acc[:, 0].numpy()
+    inv = torch.from_numpy(np.float32(1) / np.sqrt(total / np.float32(d) + np.float32(eps)))[:, None]
     normed = (x.float().reshape(-1, d) * inv).to(x.dtype)
     return (w.float() * normed.float()).to(x.dtype).reshape(x.shape)
 
