@@ -11,9 +11,10 @@ runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls the
   evaluation (more than half a millisecond per step) is filtered out; `warm_up` compiles the
   graph and runs it at the sizes that matter before the first request.
 - Inductor's C++ wrapper calls the kernels from C++, not from a Python wrapper.
-- Inductor rounds each bf16 intermediate as eager does (`emulate_precision_casts`): a row gets
-  the same bits in the graph and in a step too long for it, so batch invariance holds across the
-  two paths.
+- Inductor rounds each bf16 intermediate as eager does (`emulate_precision_casts`), the bf16
+  norms are verispec's op (Inductor's fused reduction sums in another order) and the rotary
+  tables come in computed eager: a row gets the same bits in the graph and in a step too long for
+  it, so batch invariance holds across the two paths.
 - Inductor's on-disk cache lives under verispec's cache, one directory per CPU capability: its
   keys do not include `ATEN_CPU_CAPABILITY`, and C++ generated for AVX2 fails to build at the
   portable level (and AVX-512 code would not run on an AVX2 machine).
