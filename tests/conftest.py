@@ -89,6 +89,14 @@ def make_tiny_checkpoint(path, arch: str = "llama", seed: int | None = None, **o
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def cpu_kernels_loaded() -> None:
+    """verispec's CPU kernels built and loaded; a failed build fails the test with its reason."""
+    from verispec.models import cpu_kernels
+
+    assert cpu_kernels.cpu_kernels_available(), cpu_kernels.kernel_build().reason
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")

@@ -279,11 +279,6 @@ def test_an_8_bit_lm_head_runs_on_the_kernels_with_fp32_logits(tiny_llama):
     assert exact.compute_logits(torch.randn(3, cfg.hidden_size)).dtype == torch.float32
 
 
-@pytest.fixture
-def kernels():
-    assert cpu_kernels.cpu_kernels_available(), cpu_kernels.kernel_build().reason
-
-
 def one_order_rms_norm(x, w, eps):
     """verispec_cpu::rms_norm's arithmetic in torch's correctly rounded elementwise fp32 ops: the
     squares into 16 lanes in order, the lanes summed pairwise, one rounding before the scale."""
@@ -307,7 +302,7 @@ def one_order_rms_norm(x, w, eps):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [576, 64, 100, 7])
-def test_rms_norm_computes_its_one_order_bit_for_bit(kernels, dtype, d):
+def test_rms_norm_computes_its_one_order_bit_for_bit(cpu_kernels_loaded, dtype, d):
     """The same bits at every level (this module reruns at each): an emulation of the op's order
     in elementwise torch ops, which round correctly everywhere. And within the arithmetic's bound
     of the float64 value: the normalised row before its one rounding is off by a few fp32 units
@@ -327,7 +322,7 @@ def test_rms_norm_computes_its_one_order_bit_for_bit(kernels, dtype, d):
     assert ((y.double() - want).abs() <= 2.1 * EPS[dtype] * want.abs() + subnormal).all()
 
 
-def test_rms_norm_takes_any_leading_shape_and_strides_and_refuses_mismatches(kernels):
+def test_rms_norm_takes_any_leading_shape_and_strides_and_refuses_mismatches(cpu_kernels_loaded):
     x = torch.randn(4, 6, 32).bfloat16()
     w = torch.rand(32).bfloat16()
     view = x[:, 2:]  # a non-contiguous view, as a Qwen3 q / k head slice is

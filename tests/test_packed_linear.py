@@ -20,15 +20,11 @@ from verispec.models import cpu_kernels
 from verispec.models.linear import PACKED_FORMATS, PackedLinear, QuantLinear, make_linear, packed_format
 from verispec.models.quant import QuantizedWeight, quantize_rtn
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.kernels_wanted(),
-                                reason="verispec's CPU kernels are off here (no C++ compiler, or VERISPEC_CPU_KERNELS=0)")
+pytestmark = [pytest.mark.skipif(not cpu_kernels.kernels_wanted(),
+                                 reason="verispec's CPU kernels are off here (no C++ compiler, or VERISPEC_CPU_KERNELS=0)"),
+              pytest.mark.usefixtures("cpu_kernels_loaded")]
 EPS32 = 2.0**-24
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    assert cpu_kernels.cpu_kernels_available(), cpu_kernels.kernel_build().reason
 
 
 def ops():

@@ -209,7 +209,7 @@ kernel_build.cache_clear = _kernel_build.cache_clear  # for tests that switch th
 
 
 def cpu_kernels_available() -> bool:
-    """Whether `torch.ops.verispec_cpu` (paged_attention, packed_linear, int8_linear, int4_linear) is loaded."""
+    """Whether `torch.ops.verispec_cpu` (paged_attention, packed_linear, int8_linear, int4_linear, rms_norm) is loaded."""
     return kernel_build().level is not None
 
 
