@@ -138,6 +138,15 @@ def test_the_packed_blocks_decode_to_the_files_values_exactly(kind):
     assert torch.equal(dense, w.dequantize())
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_blocks_decode_straight_to_half_precision_as_the_exact_matrix_rounded_once(kind, dtype):
+    w = gguf_like(kind, 37, 96, seed=12)  # 37 columns: the last block of 16 is partly padding
+    layer = PackedLinear(w, CPU)
+    half = ops().packed_dequantize(layer.codes, layer.scales, layer.offsets, layer.format, 37, dtype)
+    assert half.dtype == dtype and torch.equal(half, w.dequantize().to(dtype))
+
+
 def test_past_the_kernels_rows_the_dense_path_computes_the_same_matrix():
     w = gguf_like("Q4_1", 80, 128, seed=10)
     layer = PackedLinear(w, CPU, kernel_max_rows=4)

@@ -415,40 +415,75 @@ at::Tensor packed_codes(const at::Tensor& codes, int64_t bits) {
   return out;
 }
 
+// One format's column blocks [begin, end) of the dense matrix. Each group of a block is decoded
+// into a 16 x 32 tile of codes, then every weight is computed exactly in fp32 (d q and d (q - 8)
+// are exact products of an fp16 scale and a small integer; d q + m rounds once) and rounded once
+// to T as it is stored: no fp32 matrix in between. The dense prefill path decodes every matrix for
+// every long chunk, so this pass is part of the time to first token.
+template <int Fmt, typename T>
+void dequantize_blocks(const uint8_t* cp, const at::Half* dp, const at::Half* mp, T* wp, int64_t n, int64_t groups,
+                       int64_t begin, int64_t end) {
+  constexpr int64_t bytes = Fmt == kQ8_0 ? kBytes8 : kBytes4;
+  const int64_t k = groups * kGroup;
+  float q[kCols][kGroup];
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t cols = std::min(kCols, n - b * kCols);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = cp + (b * groups + g) * bytes;
+      if constexpr (Fmt == kQ8_0) {  // run p: byte 2c + e is column c's code for input 2p + e
+        for (int64_t p = 0; p < kGroup / 2; ++p)
+          for (int64_t i = 0; i < 2 * kCols; ++i)
+            q[i / 2][2 * p + i % 2] = static_cast<float>(static_cast<int8_t>(blk[p * 2 * kCols + i]));
+      } else {  // run p: byte 2c + e holds inputs 4p + e (low nibble) and 4p + 2 + e (high)
+        constexpr int bias = Fmt == kQ4_0 ? 8 : 0;
+        for (int64_t p = 0; p < kGroup / 4; ++p)
+          for (int64_t i = 0; i < 2 * kCols; ++i) {
+            const uint8_t byte = blk[p * 2 * kCols + i];
+            q[i / 2][4 * p + i % 2] = static_cast<float>((byte & 0x0F) - bias);
+            q[i / 2][4 * p + 2 + i % 2] = static_cast<float>((byte >> 4) - bias);
+          }
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t at = (b * groups + g) * kCols + c;
+        const float d = dp[at];
+        const float off = Fmt == kQ4_1 ? static_cast<float>(mp[at]) : 0.f;
+        T* out = wp + (b * kCols + c) * k + g * kGroup;
+        for (int64_t j = 0; j < kGroup; ++j) out[j] = static_cast<T>(Fmt == kQ4_1 ? d * q[c][j] + off : d * q[c][j]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void dequantize_into(const uint8_t* cp, const at::Half* dp, const at::Half* mp, T* wp, int64_t format, int64_t n,
+                     int64_t groups) {
+  at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t begin, int64_t end) {
+    if (format == kQ4_0) dequantize_blocks<kQ4_0>(cp, dp, mp, wp, n, groups, begin, end);
+    else if (format == kQ4_1) dequantize_blocks<kQ4_1>(cp, dp, mp, wp, n, groups, begin, end);
+    else dequantize_blocks<kQ8_0>(cp, dp, mp, wp, n, groups, begin, end);
+  });
+}
+
 // The [N, K] matrix the codes stand for, exactly in fp32 (w = d q, d (q - 8) or d q + m), then
 // rounded once to `dtype`: the dense path for steps past the kernel's rows.
 at::Tensor packed_dequantize(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                              int64_t format, int64_t n, at::ScalarType dtype) {
   const int64_t k = codes.size(1) * kGroup;
   check_weights(codes, scales, offsets, format, k);
-  const int64_t groups = codes.size(1), bytes = codes.size(2);
-  at::Tensor w = at::empty({n, k}, codes.options().dtype(at::kFloat));
+  const int64_t groups = codes.size(1);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::Half* dp = scales.data_ptr<at::Half>();
   const at::Half* mp = offsets ? offsets->data_ptr<at::Half>() : nullptr;
-  float* wp = w.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / kCols, col = row % kCols;
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* run = cp + (b * groups + g) * bytes + 2 * col;
-        const int64_t at = (b * groups + g) * kCols + col;
-        const float d = dp[at], off = mp ? float(mp[at]) : 0.f;
-        for (int64_t j = 0; j < kGroup; ++j) {
-          float v;
-          if (format == kQ8_0) {
-            v = d * static_cast<int8_t>(run[(j / 2) * 2 * kCols + j % 2]);
-          } else {
-            const uint8_t byte = run[(j / 4) * 2 * kCols + j % 2];
-            const int q = j % 4 < 2 ? (byte & 0x0F) : (byte >> 4);
-            v = format == kQ4_0 ? d * float(q - 8) : d * float(q) + off;
-          }
-          wp[row * k + g * kGroup + j] = v;
-        }
-      }
-    }
-  });
-  return dtype == at::kFloat ? w : w.to(dtype);
+  const at::ScalarType direct = dtype == at::kBFloat16 || dtype == at::kHalf ? dtype : at::kFloat;
+  at::Tensor w = at::empty({n, k}, codes.options().dtype(direct));
+  if (direct == at::kBFloat16) {
+    dequantize_into(cp, dp, mp, w.data_ptr<at::BFloat16>(), format, n, groups);
+  } else if (direct == at::kHalf) {
+    dequantize_into(cp, dp, mp, w.data_ptr<at::Half>(), format, n, groups);
+  } else {
+    dequantize_into(cp, dp, mp, w.data_ptr<float>(), format, n, groups);
+  }
+  return direct == dtype ? w : w.to(dtype);
 }
 
 }  // namespace
