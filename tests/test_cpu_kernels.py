@@ -105,6 +105,43 @@ def test_kernel_matches_float64_attention(dtype, kv_heads, per_kv, head_dim):
     assert ((out.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_attend_in_parts_within_the_fp32_bound(dtype):
+    """Contexts past one part of keys (256): a decode row and a verify step over 700 keys, a chunk
+    whose first rows see one part and last rows three, and a context of exactly two parts."""
+    kv_heads, per_kv, head_dim = 3, 3, 64
+    shapes = [(1, 700), (6, 613), (40, 530), (1, 512)]
+    spans, q, k, v = random_step(kv_heads, per_kv, head_dim, dtype, shapes, seed=3)
+    cache = make_cache(sum(-(-c // BLOCK) for _, c in shapes) + 4, kv_heads, head_dim, dtype)
+    out = run(q, k, v, cache, spans, dtype)
+    ref, qk_abs = reference(q, cache, spans, head_dim**-0.5)
+    # As above, plus each part's weight exp(m_p - m) and the parts' sum: a few more roundings.
+    eps32, vmax = 2.0**-24, float(cache.v.abs().max())
+    bound = 8 * vmax * eps32 * (head_dim * qk_abs + max(c for _, c in shapes)) + EPS[dtype] * ref.abs()
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_context_row_computes_alike_alone_or_beside_a_long_chunk(threads):
+    """A few rows over 700 keys alone (few tiles: each part of the keys its own work item, the
+    parts combined after) or beside another sequence's 200-row chunk (many tiles: a thread takes
+    a tile's parts in turn), on one thread or two: the same bits."""
+    kv_heads, per_kv, head_dim, dtype = 3, 3, 64, torch.bfloat16
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spans, q, k, v = random_step(kv_heads, per_kv, head_dim, dtype, [(200, 200), (6, 700)], seed=4)
+        cache = make_cache(64, kv_heads, head_dim, dtype, seed=5)
+        both = run(q, k, v, cache, spans, dtype)[200:]
+        main = spans[1]
+        alone = run(q[200:], k[200:], v[200:], cache, [SeqSpan(0, 6, 700, main.block_table)], dtype)
+        decode = [run(q[200 + i : 201 + i], k[200 + i : 201 + i], v[200 + i : 201 + i], cache,
+                      [SeqSpan(0, 1, 695 + i, main.block_table)], dtype) for i in range(6)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone, both) and torch.equal(torch.cat(decode), both)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     ctx=st.integers(1, 150),

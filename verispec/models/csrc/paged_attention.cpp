@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -141,10 +142,15 @@ inline void weigh_all(const float* const* weight, const int64_t* n, const T* v_c
   }
 }
 
-// exp(s - max) over the first n scores, in place; returns their sum.
-inline float softmax_weights(float* s, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+// exp(s - max) over the first n >= 1 scores, in place; returns their sum, and the max in `mx`.
+inline float softmax_weights(float* s, int64_t n, float& max_out) {
+  // The max in vectors (a max is exact in any order); a local, since `max_out` may alias `s`.
+  Vec vmx(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) vmx = at::vec::maximum(vmx, Vec::loadu(s + i));
+  float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  max_out = mx;
   const Vec vmax(mx);
   Vec vsum(0.f);
   int64_t j = 0;
@@ -161,11 +167,18 @@ inline float softmax_weights(float* s, int64_t n) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
 }
 
-// The work of one (sequence, kv head, tile of query rows) item; buffers are the thread's own.
+// The work of one item; buffers are the thread's own.
 struct Buffers {
-  std::vector<float> q, scores, acc, inv;
+  std::vector<float> q, scores, acc, mx, sum;
   std::vector<int64_t> visible;
 };
+
+// A row's keys are attended in parts of kPart keys at fixed positions ([0, kPart), [kPart, 2 kPart),
+// ...), each part's softmax partials (max, sum, weighted values) combined in part order. The parts
+// depend only on the row's own context, so a row computes alike in any step; and a long context's
+// parts are items of their own, so one decode row keeps both cores busy. A row whose context fits
+// one part computes exactly as a single softmax (its combine multiplies by exp(0) = 1).
+constexpr int64_t kPartKeys = 256;
 
 template <typename T>
 struct Step {
@@ -173,20 +186,25 @@ struct Step {
   T* out;
   const int64_t* seq;    // [S, 3]: first row, query rows, context length
   const int64_t* table;  // [S, table_width]
-  int64_t table_width, heads, head, kv_heads, per_kv, block_size, padded;
+  int64_t table_width, heads, head, kv_heads, per_kv, block_size, padded, part;
   int64_t q_row, q_head, out_row, out_head;  // strides
   float scale;
 
   // Query vectors r = i * per_kv + p: row i (of rows [i0, i1) of the sequence), head p of this
-  // kv head. Row i sees keys [0, ctx - nq + i]: causal within the step.
-  void attend(int64_t s, int64_t kvh, int64_t i0, int64_t i1, Buffers& buf) const {
+  // kv head, against keys [k0, k0 + part) (k0 a multiple of the block size). Row i sees keys
+  // [0, ctx - nq + i]: causal within the step. Leaves in `buf` each vector's max score, its sum
+  // of exp(score - max) and its unnormalized weighted values (0, 0 and -inf where it sees none).
+  // long: scores, softmax and weighted values share the buffers and the vectors' key counts.
+  void partial(int64_t s, int64_t kvh, int64_t i0, int64_t i1, int64_t k0, Buffers& buf) const {
     const int64_t first = seq[3 * s], nq = seq[3 * s + 1], ctx = seq[3 * s + 2];
-    const int64_t* blocks = table + s * table_width;
+    const int64_t* blocks = table + s * table_width + k0 / block_size;
     const int64_t r_count = (i1 - i0) * per_kv;
     buf.visible.resize(r_count);
-    buf.inv.resize(r_count);
-    for (int64_t r = 0; r < r_count; ++r) buf.visible[r] = ctx - nq + i0 + r / per_kv + 1;
-    const int64_t stride = (buf.visible[r_count - 1] + block_size - 1) / block_size * block_size;  // whole blocks
+    buf.mx.resize(r_count);
+    buf.sum.resize(r_count);
+    for (int64_t r = 0; r < r_count; ++r)
+      buf.visible[r] = std::clamp<int64_t>(ctx - nq + i0 + r / per_kv + 1 - k0, 0, part);
+    const int64_t stride = std::max<int64_t>(1, (buf.visible[r_count - 1] + block_size - 1) / block_size) * block_size;
     buf.q.assign(r_count * padded, 0.f);
     for (int64_t r = 0; r < r_count; ++r) {
       const T* src = q + (first + i0 + r / per_kv) * q_row + (kvh * per_kv + r % per_kv) * q_head;
@@ -210,7 +228,13 @@ struct Step {
         }
       }
     }
-    for (int64_t r = 0; r < r_count; ++r) buf.inv[r] = 1.f / softmax_weights(buf.scores.data() + r * stride, buf.visible[r]);
+    for (int64_t r = 0; r < r_count; ++r) {
+      if (buf.visible[r] == 0) {
+        buf.mx[r] = -std::numeric_limits<float>::infinity(), buf.sum[r] = 0.f;
+      } else {
+        buf.sum[r] = softmax_weights(buf.scores.data() + r * stride, buf.visible[r], buf.mx[r]);
+      }
+    }
     // The weighted values, kRows rows at a time (sharing the value loads).
     buf.acc.resize(r_count * padded);
     const T* values = v_cache + kvh * head;
@@ -229,10 +253,56 @@ struct Step {
         default: weigh_all<1>(w, n, values, blocks, block_size, kv_heads * head, padded, a); break;
       }
     }
+  }
+
+  // Row i's output for head h from its parts' entries [padded weighted values, max, sum], in part
+  // order: a part weighs exp(its max - the row's max). With one part the weight is exp(0) = 1 and
+  // the output is that part's values over its sum, a plain softmax.
+  void combine(const float* const* entries, int64_t reach, int64_t first_row, int64_t h, float* acc) const {
+    float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t p = 0; p < reach; ++p) mx = std::max(mx, entries[p][padded]);
+    std::fill(acc, acc + padded, 0.f);
+    for (int64_t p = 0; p < reach; ++p) {
+      const float w = std::exp(entries[p][padded] - mx);
+      total = std::fma(w, entries[p][padded + 1], total);
+      for (int64_t d = 0; d < padded; d += Vec::size())
+        at::vec::fmadd(Vec(w), Vec::loadu(entries[p] + d), Vec::loadu(acc + d)).store(acc + d);
+    }
+    const Vec inv(1.f / total);
+    for (int64_t d = 0; d < padded; d += Vec::size()) (Vec::loadu(acc + d) * inv).store(acc + d);
+    store_float(acc, out + first_row * out_row + h * out_head, head);
+  }
+
+  // Parts [p0, p1) of rows [i0, i1)'s keys, each vector's entry stored at entry(r, p).
+  template <typename Entry>
+  void parts(int64_t s, int64_t kvh, int64_t i0, int64_t i1, int64_t p0, int64_t p1, Buffers& buf,
+             Entry entry) const {
+    for (int64_t p = p0; p < p1; ++p) {
+      partial(s, kvh, i0, i1, p * part, buf);
+      for (int64_t r = 0; r < (i1 - i0) * per_kv; ++r) {
+        float* e = entry(r, p);
+        std::copy_n(buf.acc.data() + r * padded, padded, e);
+        e[padded] = buf.mx[r], e[padded + 1] = buf.sum[r];
+      }
+    }
+  }
+
+  int64_t parts_seen(int64_t s, int64_t i) const {  // the parts row i of sequence s reaches
+    const int64_t nq = seq[3 * s + 1], ctx = seq[3 * s + 2];
+    return (ctx - nq + i + 1 + part - 1) / part;
+  }
+
+  // Every part of a tile in this thread, then its rows' outputs.
+  void attend_tile(int64_t s, int64_t kvh, int64_t i0, int64_t i1, Buffers& buf, std::vector<float>& own) const {
+    const int64_t width = padded + 2, r_count = (i1 - i0) * per_kv, n_parts = parts_seen(s, i1 - 1);
+    own.resize(n_parts * r_count * width);
+    parts(s, kvh, i0, i1, 0, n_parts, buf, [&](int64_t r, int64_t p) { return own.data() + (p * r_count + r) * width; });
+    std::vector<const float*> entries(n_parts);
+    std::vector<float> acc(padded);
     for (int64_t r = 0; r < r_count; ++r) {
-      float* a = buf.acc.data() + r * padded;
-      for (int64_t d = 0; d < padded; d += Vec::size()) (Vec::loadu(a + d) * Vec(buf.inv[r])).store(a + d);
-      store_float(a, out + (first + i0 + r / per_kv) * out_row + (kvh * per_kv + r % per_kv) * out_head, head);
+      const int64_t i = i0 + r / per_kv;
+      for (int64_t p = 0; p < n_parts; ++p) entries[p] = own.data() + (p * r_count + r) * width;
+      combine(entries.data(), parts_seen(s, i), seq[3 * s] + i, kvh * per_kv + r % per_kv, acc.data());
     }
   }
 };
@@ -240,28 +310,75 @@ struct Step {
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seqs,
                 const at::Tensor& tables, double scale, at::Tensor& out) {
-  const int64_t heads = q.size(1), head = q.size(2), kv_heads = v_cache.size(2);
+  const int64_t heads = q.size(1), head = q.size(2), kv_heads = v_cache.size(2), block_size = v_cache.size(1);
+  const int64_t part = std::max<int64_t>(1, kPartKeys / block_size) * block_size;
   const Step<T> step{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
                      seqs.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), tables.size(1), heads, head, kv_heads,
-                     heads / kv_heads, v_cache.size(1), (head + Vec::size() - 1) / Vec::size() * Vec::size(),
+                     heads / kv_heads, block_size, (head + Vec::size() - 1) / Vec::size() * Vec::size(), part,
                      q.stride(0), q.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
-  // Work items: (sequence, kv head, tile of kTile query rows), listed up front.
-  std::vector<std::array<int64_t, 3>> items;
-  int64_t work = 0;
+  // Tiles: (sequence, kv head, first of kTile query rows), listed up front.
+  std::vector<std::array<int64_t, 3>> tiles;
+  int64_t work = 0, most_parts = 1;
   for (int64_t s = 0; s < seqs.size(0); ++s) {
     const int64_t nq = step.seq[3 * s + 1];
     work += nq * step.seq[3 * s + 2];
+    most_parts = std::max(most_parts, step.parts_seen(s, nq - 1));
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
-      for (int64_t i0 = 0; i0 < nq; i0 += kTile) items.push_back({s, kvh, i0});
+      for (int64_t i0 = 0; i0 < nq; i0 += kTile) tiles.push_back({s, kvh, i0});
   }
   // Small steps stay on one thread: waking the other costs more than it saves.
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t grain = work * heads * head < (1 << 20) ? n_items : 1;
-  at::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
+  const int64_t threads = work * heads * head < (1 << 18) ? 1 : at::get_num_threads();
+  const int64_t n_tiles = static_cast<int64_t>(tiles.size());
+  const int64_t width = step.padded + 2;
+  if (threads == 1 || most_parts == 1 || n_tiles >= 2 * threads) {  // a thread takes whole tiles
+    at::parallel_for(0, n_tiles, threads == 1 ? n_tiles : 1, [&](int64_t begin, int64_t end) {
+      Buffers buf;
+      std::vector<float> own;
+      for (int64_t x = begin; x < end; ++x) {
+        const auto [s, kvh, i0] = tiles[x];
+        step.attend_tile(s, kvh, i0, std::min(i0 + kTile, step.seq[3 * s + 1]), buf, own);
+      }
+    });
+    return;
+  }
+  // Few tiles (decode and verify steps): each part of a tile is an item, so long contexts keep
+  // every thread busy; the entries meet in one buffer and are combined after. Same arithmetic.
+  std::vector<int64_t> offset(n_tiles + 1, 0);
+  std::vector<std::array<int64_t, 2>> items;  // (tile, part)
+  for (int64_t x = 0; x < n_tiles; ++x) {
+    const auto [s, kvh, i0] = tiles[x];
+    const int64_t i1 = std::min(i0 + kTile, step.seq[3 * s + 1]), n_parts = step.parts_seen(s, i1 - 1);
+    offset[x + 1] = offset[x] + n_parts * (i1 - i0) * step.per_kv * width;
+    for (int64_t p = 0; p < n_parts; ++p) items.push_back({x, p});
+  }
+  std::vector<float> entries_of(offset[n_tiles]);
+  auto tile_rows = [&](int64_t x) {
+    const auto [s, kvh, i0] = tiles[x];
+    return (std::min(i0 + kTile, step.seq[3 * s + 1]) - i0) * step.per_kv;
+  };
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Buffers buf;
+    for (int64_t y = begin; y < end; ++y) {
+      const auto [x, p] = items[y];
+      const auto [s, kvh, i0] = tiles[x];
+      const int64_t r_count = tile_rows(x);
+      float* base = entries_of.data() + offset[x];
+      step.parts(s, kvh, i0, std::min(i0 + kTile, step.seq[3 * s + 1]), p, p + 1, buf,
+                 [&](int64_t r, int64_t part_of) { return base + (part_of * r_count + r) * width; });
+    }
+  });
+  at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> entries(most_parts);
+    std::vector<float> acc(step.padded);
     for (int64_t x = begin; x < end; ++x) {
-      const auto [s, kvh, i0] = items[x];
-      step.attend(s, kvh, i0, std::min(i0 + kTile, step.seq[3 * s + 1]), buf);
+      const auto [s, kvh, i0] = tiles[x];
+      const int64_t r_count = tile_rows(x);
+      const float* base = entries_of.data() + offset[x];
+      for (int64_t r = 0; r < r_count; ++r) {
+        const int64_t i = i0 + r / step.per_kv, reach = step.parts_seen(s, i);
+        for (int64_t p = 0; p < reach; ++p) entries[p] = base + (p * r_count + r) * width;
+        step.combine(entries.data(), reach, step.seq[3 * s] + i, kvh * step.per_kv + r % step.per_kv, acc.data());
+      }
     }
   });
 }
