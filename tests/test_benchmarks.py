@@ -295,7 +295,7 @@ def test_scaling_table_ratio_and_files(tmp_path):
 
 
 def test_the_cost_curve_table_gives_each_step_against_one_row_and_the_verify_target():
-    from benchmarks.cost_curve import CONFIGS, ROWS, CurveRow, format_curve
+    from benchmarks.cost_curve import CONFIGS, LONG_CONTEXT, ROWS, CurveRow, format_curve, long_label
 
     packed, other = CONFIGS[0][0], CONFIGS[1][0]
     rows = [CurveRow(packed, n, 4.0 + 0.2 * (n - 1), 3.0, 30.0, 100.0) for n in ROWS]
@@ -305,3 +305,8 @@ def test_the_cost_curve_table_gives_each_step_against_one_row_and_the_verify_tar
     assert f"| {other} | 8.00 ms (1.00x)" in table and "| 6.00x |" in table
     assert "Bare packed matmul loop" in table and table.count("| 3.00 | 30.0 | 100.0 |") == len(ROWS)
     assert table.endswith("1.25x, met")
+    # The fast tier over a long context: its own row, and its ratio under the target line.
+    rows += [CurveRow(long_label(packed), n, 5.0 + 0.4 * (n - 1), context=LONG_CONTEXT) for n in ROWS]
+    table = format_curve(rows)
+    assert f"| {long_label(packed)} | 5.00 ms (1.00x)" in table  # 7.0 / 5.0 at 6 rows
+    assert table.endswith(f"1.25x, met\nOver a {LONG_CONTEXT}-token context: 1.40x")
