@@ -1,0 +1,123 @@
+// The packed matmul's weights: the file's codes put into the layout of packed_layout.h
+// (`packed_codes`), and the dense matrix they stand for (`packed_dequantize`, the dense path of
+// steps past the kernel's rows).
+#include "packed_layout.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+namespace {
+
+// [N, K] codes (uint8 0..15 for 4 bits, int8 for 8) -> [N/16, K/32, bytes] in the layout above;
+// columns past N are zero codes (with zero scales they compute 0, and are never stored).
+at::Tensor packed_codes(const at::Tensor& codes, int64_t bits) {
+  TORCH_CHECK(codes.dim() == 2 && codes.size(1) % kGroup == 0 && (bits == 4 || bits == 8) && codes.element_size() == 1,
+              "packed_codes: codes must be [N, K] bytes, K a multiple of 32, bits 4 or 8");
+  const at::Tensor c = codes.contiguous().view(at::kByte);
+  const int64_t n = c.size(0), k = c.size(1), groups = k / kGroup, blocks = (n + kCols - 1) / kCols;
+  const int64_t bytes = bits == 8 ? kBytes8 : kBytes4;
+  at::Tensor out = at::zeros({blocks, groups, bytes}, c.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t b = row / kCols, col = row % kCols;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* s = src + row * k + g * kGroup;
+      uint8_t* d = dst + (b * groups + g) * bytes + 2 * col;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        if (bits == 8) {
+          d[(j / 2) * 2 * kCols + j % 2] = s[j];
+        } else if (j % 4 < 2) {  // inputs 4p + e (low nibble) and 4p + 2 + e (high)
+          TORCH_CHECK(s[j] < 16 && s[j + 2] < 16, "packed_codes: 4-bit codes must be 0..15");
+          d[(j / 4) * 2 * kCols + j % 4] = static_cast<uint8_t>(s[j] | (s[j + 2] << 4));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// One format's column blocks [begin, end) of the dense matrix. Each group of a block is decoded
+// into a 16 x 32 tile of codes, then every weight is computed exactly in fp32 (d q and d (q - 8)
+// are exact products of an fp16 scale and a small integer; d q + m rounds once) and rounded once
+// to T as it is stored: no fp32 matrix in between. The dense prefill path decodes every matrix for
+// every long chunk, so this pass is part of the time to first token.
+template <int Fmt, typename T>
+void dequantize_blocks(const uint8_t* cp, const at::Half* dp, const at::Half* mp, T* wp, int64_t n, int64_t groups,
+                       int64_t begin, int64_t end) {
+  constexpr int64_t bytes = Fmt == kQ8_0 ? kBytes8 : kBytes4;
+  const int64_t k = groups * kGroup;
+  float q[kCols][kGroup];
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t cols = std::min(kCols, n - b * kCols);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = cp + (b * groups + g) * bytes;
+      if constexpr (Fmt == kQ8_0) {  // run p: byte 2c + e is column c's code for input 2p + e
+        for (int64_t p = 0; p < kGroup / 2; ++p)
+          for (int64_t i = 0; i < 2 * kCols; ++i)
+            q[i / 2][2 * p + i % 2] = static_cast<float>(static_cast<int8_t>(blk[p * 2 * kCols + i]));
+      } else {  // run p: byte 2c + e holds inputs 4p + e (low nibble) and 4p + 2 + e (high)
+        constexpr int bias = Fmt == kQ4_0 ? 8 : 0;
+        for (int64_t p = 0; p < kGroup / 4; ++p)
+          for (int64_t i = 0; i < 2 * kCols; ++i) {
+            const uint8_t byte = blk[p * 2 * kCols + i];
+            q[i / 2][4 * p + i % 2] = static_cast<float>((byte & 0x0F) - bias);
+            q[i / 2][4 * p + 2 + i % 2] = static_cast<float>((byte >> 4) - bias);
+          }
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t at = (b * groups + g) * kCols + c;
+        const float d = dp[at];
+        const float off = Fmt == kQ4_1 ? static_cast<float>(mp[at]) : 0.f;
+        T* out = wp + (b * kCols + c) * k + g * kGroup;
+        for (int64_t j = 0; j < kGroup; ++j) out[j] = static_cast<T>(Fmt == kQ4_1 ? d * q[c][j] + off : d * q[c][j]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void dequantize_into(const uint8_t* cp, const at::Half* dp, const at::Half* mp, T* wp, int64_t format, int64_t n,
+                     int64_t groups) {
+  at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t begin, int64_t end) {
+    if (format == kQ4_0) dequantize_blocks<kQ4_0>(cp, dp, mp, wp, n, groups, begin, end);
+    else if (format == kQ4_1) dequantize_blocks<kQ4_1>(cp, dp, mp, wp, n, groups, begin, end);
+    else dequantize_blocks<kQ8_0>(cp, dp, mp, wp, n, groups, begin, end);
+  });
+}
+
+// The [N, K] matrix the codes stand for, exactly in fp32 (w = d q, d (q - 8) or d q + m), then
+// rounded once to `dtype`: the dense path for steps past the kernel's rows.
+at::Tensor packed_dequantize(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
+                             int64_t format, int64_t n, at::ScalarType dtype) {
+  const int64_t k = codes.size(1) * kGroup;
+  check_weights(codes, scales, offsets, format, k);
+  const int64_t groups = codes.size(1);
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const at::Half* dp = scales.data_ptr<at::Half>();
+  const at::Half* mp = offsets ? offsets->data_ptr<at::Half>() : nullptr;
+  const at::ScalarType direct = dtype == at::kBFloat16 || dtype == at::kHalf ? dtype : at::kFloat;
+  at::Tensor w = at::empty({n, k}, codes.options().dtype(direct));
+  if (direct == at::kBFloat16) {
+    dequantize_into(cp, dp, mp, w.data_ptr<at::BFloat16>(), format, n, groups);
+  } else if (direct == at::kHalf) {
+    dequantize_into(cp, dp, mp, w.data_ptr<at::Half>(), format, n, groups);
+  } else {
+    dequantize_into(cp, dp, mp, w.data_ptr<float>(), format, n, groups);
+  }
+  return direct == dtype ? w : w.to(dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(verispec_cpu, m) {
+  m.def("packed_codes(Tensor codes, int bits) -> Tensor");
+  m.def("packed_dequantize(Tensor codes, Tensor scales, Tensor? offsets, int format, int n, ScalarType dtype) -> Tensor");
+  m.impl("packed_codes", c10::DispatchKey::CPU, &packed_codes);
+  m.impl("packed_dequantize", c10::DispatchKey::CPU, &packed_dequantize);
+}
