@@ -80,19 +80,10 @@ class CostModel:
         # A longer step never costs less: profiling noise must not make the objective jump.
         self.seconds = list(np.maximum.accumulate([max(float(s), 1e-9) for _, s in pairs]))
 
-    def table(self, num_tokens: int) -> float:
-        t, s = self.tokens, self.seconds
-        if num_tokens > t[-1] and len(t) > 1:
-            slope = (s[-1] - s[-2]) / (t[-1] - t[-2])
-            return s[-1] + slope * (num_tokens - t[-1])
-        return float(np.interp(num_tokens, t, s))
-
-    def __call__(self, num_tokens: int) -> float:
-        return self.table(num_tokens) + self.overhead
-
-    def many(self, num_tokens: np.ndarray) -> np.ndarray:
-        """`self(n)` for every n of an integer array, in one pass: the same float64 arithmetic
-        as the scalar call (np.interp, then the same extrapolation), so the same values."""
+    def tables(self, num_tokens) -> np.ndarray:
+        """The table's cost for every n of an integer array: interpolated, or extrapolated from
+        the last two points past the last one. One computation serves a step's every budget
+        (`choose_budget` weighs up to 193 a step) and the single lookups alike."""
         t, s = self.tokens, self.seconds
         n = np.asarray(num_tokens, dtype=np.int64)
         out = np.interp(n, t, s)
@@ -100,7 +91,17 @@ class CostModel:
             beyond = n > t[-1]
             slope = (s[-1] - s[-2]) / (t[-1] - t[-2])
             out[beyond] = s[-1] + slope * (n[beyond] - t[-1]).astype(np.float64)
-        return out + self.overhead
+        return out
+
+    def table(self, num_tokens: int) -> float:
+        return float(self.tables([num_tokens])[0])
+
+    def __call__(self, num_tokens: int) -> float:
+        return self.table(num_tokens) + self.overhead
+
+    def many(self, num_tokens) -> np.ndarray:
+        """`self(n)` for every n of an integer array."""
+        return self.tables(num_tokens) + self.overhead
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One measured step of `num_tokens` tokens: `overhead` moves toward its excess over the
