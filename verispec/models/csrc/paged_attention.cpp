@@ -71,7 +71,7 @@ struct Step {
   // Query vectors r = i * per_kv + p: row i (of rows [i0, i1) of the sequence), head p of this
   // kv head, against keys [k0, k0 + part) (k0 a multiple of the block size). Row i sees keys
   // [0, ctx - nq + i]: causal within the step. Leaves in `buf` each vector's max score, its sum
-  // of exp(score - max) and its unnormalized weighted values (0, 0 and -inf where it sees none).
+  // of exp(score - max) and its unnormalized weighted values (-inf, 0 and 0 where it sees none).
   // long: scores, softmax and weighted values share the buffers and the vectors' key counts.
   void partial(int64_t s, int64_t kvh, int64_t i0, int64_t i1, int64_t k0, Buffers& buf) const {
     const int64_t first = seq[3 * s], nq = seq[3 * s + 1], ctx = seq[3 * s + 2];
@@ -170,18 +170,24 @@ struct Step {
     return (ctx - nq + i + 1 + part - 1) / part;
   }
 
+  // The outputs of rows [i0, i1) from their parts' entries, laid out [part][vector][width] at `base`.
+  void combine_tile(int64_t s, int64_t kvh, int64_t i0, int64_t i1, const float* base, int64_t most_parts) const {
+    const int64_t width = padded + 2, r_count = (i1 - i0) * per_kv;
+    std::vector<const float*> entries(most_parts);
+    std::vector<float> acc(padded);
+    for (int64_t r = 0; r < r_count; ++r) {
+      const int64_t i = i0 + r / per_kv, reach = parts_seen(s, i);
+      for (int64_t p = 0; p < reach; ++p) entries[p] = base + (p * r_count + r) * width;
+      combine(entries.data(), reach, seq[3 * s] + i, kvh * per_kv + r % per_kv, acc.data());
+    }
+  }
+
   // Every part of a tile in this thread, then its rows' outputs.
   void attend_tile(int64_t s, int64_t kvh, int64_t i0, int64_t i1, Buffers& buf, std::vector<float>& own) const {
     const int64_t width = padded + 2, r_count = (i1 - i0) * per_kv, n_parts = parts_seen(s, i1 - 1);
     own.resize(n_parts * r_count * width);
     parts(s, kvh, i0, i1, 0, n_parts, buf, [&](int64_t r, int64_t p) { return own.data() + (p * r_count + r) * width; });
-    std::vector<const float*> entries(n_parts);
-    std::vector<float> acc(padded);
-    for (int64_t r = 0; r < r_count; ++r) {
-      const int64_t i = i0 + r / per_kv;
-      for (int64_t p = 0; p < n_parts; ++p) entries[p] = own.data() + (p * r_count + r) * width;
-      combine(entries.data(), parts_seen(s, i), seq[3 * s] + i, kvh * per_kv + r % per_kv, acc.data());
-    }
+    combine_tile(s, kvh, i0, i1, own.data(), n_parts);
   }
 };
 
@@ -232,33 +238,21 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
     for (int64_t p = 0; p < n_parts; ++p) items.push_back({x, p});
   }
   std::vector<float> entries_of(offset[n_tiles]);
-  auto tile_rows = [&](int64_t x) {
-    const auto [s, kvh, i0] = tiles[x];
-    return (std::min(i0 + kTile, step.seq[3 * s + 1]) - i0) * step.per_kv;
-  };
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Buffers buf;
     for (int64_t y = begin; y < end; ++y) {
       const auto [x, p] = items[y];
       const auto [s, kvh, i0] = tiles[x];
-      const int64_t r_count = tile_rows(x);
+      const int64_t i1 = std::min(i0 + kTile, step.seq[3 * s + 1]), r_count = (i1 - i0) * step.per_kv;
       float* base = entries_of.data() + offset[x];
-      step.parts(s, kvh, i0, std::min(i0 + kTile, step.seq[3 * s + 1]), p, p + 1, buf,
+      step.parts(s, kvh, i0, i1, p, p + 1, buf,
                  [&](int64_t r, int64_t part_of) { return base + (part_of * r_count + r) * width; });
     }
   });
   at::parallel_for(0, n_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<const float*> entries(most_parts);
-    std::vector<float> acc(step.padded);
     for (int64_t x = begin; x < end; ++x) {
       const auto [s, kvh, i0] = tiles[x];
-      const int64_t r_count = tile_rows(x);
-      const float* base = entries_of.data() + offset[x];
-      for (int64_t r = 0; r < r_count; ++r) {
-        const int64_t i = i0 + r / step.per_kv, reach = step.parts_seen(s, i);
-        for (int64_t p = 0; p < reach; ++p) entries[p] = base + (p * r_count + r) * width;
-        step.combine(entries.data(), reach, step.seq[3 * s] + i, kvh * step.per_kv + r % step.per_kv, acc.data());
-      }
+      step.combine_tile(s, kvh, i0, std::min(i0 + kTile, step.seq[3 * s + 1]), entries_of.data() + offset[x], most_parts);
     }
   });
 }
