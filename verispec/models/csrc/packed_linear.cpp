@@ -3,13 +3,15 @@
 //
 // One call reads each block of codes once for all its rows (up to kMaxRows per register tile),
 // so a verify step of several rows costs little more than one row while the weights stream from
-// memory. Activations are quantized per block of 32 to int16 (scale = max |x| / 32767, 15 bits,
-// finer than the bf16 they arrive in), and each block's dot product is an exact int32 sum of
-// code x activation, on the CPU's integer multiply-adds (AVX512-VNNI / AVX-VNNI `vpdpwssd`,
-// else `vpmaddwd`). The sums become fp32 once per block, in the same order on every variant:
-// a row's result does not depend on how many rows share the call, nor on the instruction set.
+// memory. Activations are quantized per block of 32 (packed_activations.h): int8 with an int8
+// residual in outlier blocks for 4-bit codes, int16 for 8-bit ones. Each block's dot product is an
+// exact int32 sum of code x activation on the CPU's integer multiply-adds (4-bit: AVX512-VNNI /
+// AVX-VNNI `vpdpbusd`, else `vpmaddubsw` + `vpmaddwd`; 8-bit: `vpdpwssd`, else `vpmaddwd`). The
+// sums become fp32 once per block, in the same order on every variant: a row's result does not
+// depend on how many rows share the call, nor on the instruction set.
 //
 // The layout of the codes and scales: packed_layout.h (built by `packed_codes`).
+#include "packed_activations.h"
 #include "packed_layout.h"
 
 #include <ATen/ATen.h>
@@ -41,7 +43,6 @@
 namespace {
 
 constexpr int kMaxRows = 8;     // rows per register tile
-constexpr int32_t kActMax = 32767;
 constexpr int64_t kPrefetchGroups = 16;  // how far ahead the weights are prefetched
 
 struct Packed {
@@ -50,20 +51,14 @@ struct Packed {
   const uint16_t* m;     // Q4_1's offsets, same shape; else null
 };
 
-struct Act {  // a call's activations, quantized per group of 32
-  const int16_t* q;      // [M, K]
-  const float* scale;    // [M, groups]
-  const int32_t* sum;    // [M, groups]: the sum of each group's q (for the offsets)
-  int64_t k, groups;
-};
-
 using TileFn = void (*)(const Packed&, int64_t, const Act&, int64_t, float*);
 struct TileTable {
   std::array<std::array<TileFn, kMaxRows>, 3> fn;  // [format][rows - 1]
   int rows;
 };
 
-inline int32_t load_pair(const int16_t* x) {  // two adjacent activations, as one 32-bit lane
+template <typename T>
+inline int32_t lane(const T* x) {  // two int16 or four int8 activations, as one 32-bit lane
   int32_t v;
   std::memcpy(&v, x, sizeof v);
   return v;
@@ -74,12 +69,23 @@ namespace portable {
 struct V {
   static constexpr int kCols = 16, kRows = kMaxRows, kChains = 1;
   struct W { int16_t v[32]; };
+  struct B { uint8_t v[64]; };
   struct I { int32_t v[16]; };
   struct F { float v[16]; };
   static I zero_i() { return I{}; }
   static F zero_f() { return F{}; }
-  static void load4(const uint8_t* p, W& w0, W& w1) {
-    for (int i = 0; i < 32; ++i) w0.v[i] = p[i] & 0x0F, w1.v[i] = p[i] >> 4;
+  static B nibbles(const uint8_t* p) {  // column c's 4 codes as bytes 4c..4c+3, in input order
+    B b;
+    for (int c = 0; c < 16; ++c) {
+      b.v[4 * c] = p[2 * c] & 0x0F, b.v[4 * c + 1] = p[2 * c + 1] & 0x0F;
+      b.v[4 * c + 2] = p[2 * c] >> 4, b.v[4 * c + 3] = p[2 * c + 1] >> 4;
+    }
+    return b;
+  }
+  static I dot8(I acc, const B& w, const int8_t* x) {
+    for (int j = 0; j < 16; ++j)
+      for (int i = 0; i < 4; ++i) acc.v[j] += int32_t(w.v[4 * j + i]) * x[i];
+    return acc;
   }
   static W load8(const uint8_t* p) {
     W w;
@@ -89,10 +95,6 @@ struct V {
   static I dot(I acc, const W& w, const int16_t* x) {
     for (int j = 0; j < 16; ++j) acc.v[j] += int32_t(w.v[2 * j]) * x[0] + int32_t(w.v[2 * j + 1]) * x[1];
     return acc;
-  }
-  static I sub(I a, int32_t s) {
-    for (auto& v : a.v) v -= s;
-    return a;
   }
   static I add(I a, const I& b) {
     for (int j = 0; j < 16; ++j) a.v[j] += b.v[j];
@@ -118,6 +120,11 @@ struct V {
     for (int j = 0; j < 16; ++j) f.v[j] = a.v[j] * b.v[j];
     return f;
   }
+  static F sub_f(const F& a, const F& b) {
+    F f;
+    for (int j = 0; j < 16; ++j) f.v[j] = a.v[j] - b.v[j];
+    return f;
+  }
   static F fma(const F& a, const F& b, const F& c) {  // fused, as the vector variants' FMA
     F f;
     for (int j = 0; j < 16; ++j) f.v[j] = std::fma(a.v[j], b.v[j], c.v[j]);
@@ -130,24 +137,26 @@ struct V {
 
 #if defined(VS_X86)
 // ------------------------------------------------------------------ x86: 16 or 8 lanes per vector
-#define VS_AVX2_TRAITS(DOT)                                                                           \
+// A 4-bit run's byte pairs (one column's, inputs 4p..4p+3 as low, low, high, high nibbles)
+// zero-extended to 32-bit lanes v: (v | v << 12) & 0x0F0F0F0F puts the four codes in input order.
+#define VS_AVX2_TRAITS(DOT, DOT8)                                                                     \
   struct V {                                                                                          \
     static constexpr int kCols = 8, kRows = 4, kChains = 4; /* 16 ymm registers */                    \
     using W = __m256i;                                                                                \
+    using B = __m256i;                                                                                \
     using I = __m256i;                                                                                \
     using F = __m256;                                                                                 \
     static I zero_i() { return _mm256_setzero_si256(); }                                              \
     static F zero_f() { return _mm256_setzero_ps(); }                                                 \
-    static void load4(const uint8_t* p, W& w0, W& w1) {                                               \
-      const W b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));         \
-      w0 = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));                                              \
-      w1 = _mm256_srli_epi16(b, 4);                                                                   \
+    static B nibbles(const uint8_t* p) {                                                              \
+      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  \
+      return _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F)); \
     }                                                                                                 \
     static W load8(const uint8_t* p) {                                                                \
       return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));              \
     }                                                                                                 \
-    static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm256_set1_epi32(load_pair(x))); } \
-    static I sub(I a, int32_t s) { return _mm256_sub_epi32(a, _mm256_set1_epi32(s)); }               \
+    static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm256_set1_epi32(lane(x))); }     \
+    static I dot8(I acc, B w, const int8_t* x) { return DOT8(acc, w, _mm256_set1_epi32(lane(x))); }    \
     static I add(I a, I b) { return _mm256_add_epi32(a, b); }                                         \
     static F cvt(I a) { return _mm256_cvtepi32_ps(a); }                                               \
     static F halves(const uint16_t* p) {                                                              \
@@ -155,13 +164,18 @@ struct V {
     }                                                                                                 \
     static F set1(float s) { return _mm256_set1_ps(s); }                                              \
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }                                            \
+    static F sub_f(F a, F b) { return _mm256_sub_ps(a, b); }                                          \
     static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }                                  \
     static void store(float* p, F f) { _mm256_storeu_ps(p, f); }                                      \
   };
 
+// Without VNNI: u8 x s8 pairs to int16 (15 x 127 x 2 cannot saturate), then pairs of those to int32.
 inline __m256i avx2_dot(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+inline __m256i avx2_dot8(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
 namespace avx2 {
-VS_AVX2_TRAITS(avx2_dot)
+VS_AVX2_TRAITS(avx2_dot, avx2_dot8)
 #include "packed_linear_body.h"
 }  // namespace avx2
 
@@ -170,31 +184,32 @@ VS_AVX2_TRAITS(avx2_dot)
 #pragma GCC target("avxvnni")
 namespace avx2_vnni {
 inline __m256i vnni_dot(__m256i acc, __m256i w, __m256i x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
-VS_AVX2_TRAITS(vnni_dot)
+inline __m256i vnni_dot8(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+VS_AVX2_TRAITS(vnni_dot, vnni_dot8)
 #include "packed_linear_body.h"
 }  // namespace avx2_vnni
 #pragma GCC pop_options
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define VS_AVX512_TRAITS(DOT)                                                                         \
+#define VS_AVX512_TRAITS(DOT, DOT8)                                                                   \
   struct V {                                                                                          \
     static constexpr int kCols = 16, kRows = kMaxRows, kChains = 8; /* 32 zmm registers */            \
     using W = __m512i;                                                                                \
+    using B = __m512i;                                                                                \
     using I = __m512i;                                                                                \
     using F = __m512;                                                                                 \
     static I zero_i() { return _mm512_setzero_si512(); }                                              \
     static F zero_f() { return _mm512_setzero_ps(); }                                                 \
-    static void load4(const uint8_t* p, W& w0, W& w1) {                                               \
-      const W b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));      \
-      w0 = _mm512_and_si512(b, _mm512_set1_epi16(0x0F));                                              \
-      w1 = _mm512_srli_epi16(b, 4);                                                                   \
+    static B nibbles(const uint8_t* p) {                                                              \
+      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); \
+      return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x0F0F0F0F)); \
     }                                                                                                 \
     static W load8(const uint8_t* p) {                                                                \
       return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));           \
     }                                                                                                 \
-    static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm512_set1_epi32(load_pair(x))); } \
-    static I sub(I a, int32_t s) { return _mm512_sub_epi32(a, _mm512_set1_epi32(s)); }               \
+    static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm512_set1_epi32(lane(x))); }     \
+    static I dot8(I acc, B w, const int8_t* x) { return DOT8(acc, w, _mm512_set1_epi32(lane(x))); }    \
     static I add(I a, I b) { return _mm512_add_epi32(a, b); }                                         \
     static F cvt(I a) { return _mm512_cvtepi32_ps(a); }                                               \
     static F halves(const uint16_t* p) {                                                              \
@@ -202,13 +217,17 @@ VS_AVX2_TRAITS(vnni_dot)
     }                                                                                                 \
     static F set1(float s) { return _mm512_set1_ps(s); }                                              \
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }                                            \
+    static F sub_f(F a, F b) { return _mm512_sub_ps(a, b); }                                          \
     static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }                                  \
     static void store(float* p, F f) { _mm512_storeu_ps(p, f); }                                      \
   };
 
 inline __m512i avx512_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
+inline __m512i avx512_dot8(__m512i acc, __m512i w, __m512i x) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
 namespace avx512 {
-VS_AVX512_TRAITS(avx512_dot)
+VS_AVX512_TRAITS(avx512_dot, avx512_dot8)
 #include "packed_linear_body.h"
 }  // namespace avx512
 
@@ -217,7 +236,8 @@ VS_AVX512_TRAITS(avx512_dot)
 #pragma GCC target("avx512vnni")
 namespace avx512_vnni {
 inline __m512i vnni_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
-VS_AVX512_TRAITS(vnni_dot)
+inline __m512i vnni_dot8(__m512i acc, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(acc, w, x); }
+VS_AVX512_TRAITS(vnni_dot, vnni_dot8)
 #include "packed_linear_body.h"
 }  // namespace avx512_vnni
 #pragma GCC pop_options
@@ -285,37 +305,6 @@ std::vector<std::string> packed_variants() {
   return names;
 }
 
-// Per row and group of 32: scale = max |x| / 32767, q = round(x / scale). A group holding an inf
-// or a NaN gets a NaN scale, so its rows' outputs are NaN (as a dense matmul's would be).
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int16_t* q, float* scale, int32_t* sum) {
-  const int64_t groups = k / kGroup;
-  for (int64_t i = 0; i < m * groups; ++i) {
-    const T* xs = x + i * kGroup;  // row-major, so group i of the flattened [M * groups]
-    int16_t* qs = q + i * kGroup;
-    float v[kGroup], amax = 0.f;
-    bool finite = true;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      v[j] = static_cast<float>(xs[j]);
-      finite = finite && std::fabs(v[j]) <= std::numeric_limits<float>::max();
-      amax = std::max(amax, std::fabs(v[j]));
-    }
-    const float d = amax / static_cast<float>(kActMax);
-    int32_t s = 0;
-    if (finite && d > 0.f) {
-      for (int64_t j = 0; j < kGroup; ++j) {
-        const float t = std::nearbyint(v[j] / d);
-        qs[j] = static_cast<int16_t>(std::min(std::max(t, -float(kActMax)), float(kActMax)));
-        s += qs[j];
-      }
-    } else {
-      std::memset(qs, 0, kGroup * sizeof(int16_t));
-    }
-    scale[i] = finite ? d : std::numeric_limits<float>::quiet_NaN();
-    sum[i] = s;
-  }
-}
-
 template <typename T>
 void store_tile(const float* tile, int64_t rows, int64_t cols, T* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r)
@@ -336,13 +325,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const at::Tensor xc = x.contiguous();
-  std::vector<int16_t> q(m * k);
-  std::vector<float> scale(m * groups);
-  std::vector<int32_t> sum(m * groups);
+  ActBuffers buffers;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "packed_linear", [&] {
-    quantize_rows(xc.data_ptr<scalar_t>(), m, k, q.data(), scale.data(), sum.data());
+    if (format == kQ8_0)
+      quantize_int16(xc.data_ptr<scalar_t>(), m, k, buffers);
+    else
+      quantize_int8(xc.data_ptr<scalar_t>(), m, k, buffers);
   });
-  const Act act{q.data(), scale.data(), sum.data(), k, groups};
+  const Act act = buffers.act(k, groups);
   const Packed w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                  offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr};
   const auto& fns = table.fn[format];

@@ -5,16 +5,25 @@
 //
 // No include guard: it is meant to be included more than once.
 
-// R rows x 16 output columns of one column block, over every group of K. `out` is [R][16] fp32.
-// Each row's group sum is split over C independent integer chains (a multiply-add waits ~5 cycles
-// for its predecessor, so one row alone would stall on one chain); integer sums are exact, so
-// the split never changes a result.
+// Independent integer chains per row: a multiply-add waits ~5 cycles for its predecessor, so a
+// row or two alone would stall on one chain; from 3 rows the rows' own chains keep the unit busy
+// (one chain there measured faster than two). Integer sums are exact: the split never changes a result.
+template <int R>
+constexpr int chains() { return R >= 3 ? 1 : V::kChains / R; }
+
+inline void prefetch_group(const uint8_t* next, int64_t bytes) {  // the weights stream once per call
+#pragma GCC unroll 8
+  for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(next + e);
+}
+
+// R rows x 16 output columns of one column block of 4-bit codes (Q4_0, Q4_1), over every group
+// of K, on int8 activations (packed_activations.h). `out` is [R][16] fp32. A group's integer value
+// is T1 (over q1), or 254 T1 + T2 in an outlier group (T2 over the residual), exact in fp32.
 // long: the hot loop reads top to bottom (prefetch, integer sums, one fp32 combine per group);
 // split into helpers, its accumulators would no longer provably stay in registers.
 template <int Fmt, int R>
-void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
-  constexpr int64_t bytes = Fmt == kQ8_0 ? kBytes8 : kBytes4;
-  constexpr int C = R >= V::kChains ? 1 : V::kChains / R;
+void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
+  constexpr int C = chains<R>();
   const int64_t k = a.k, groups = a.groups;
   for (int64_t h = 0; h < kCols / V::kCols; ++h) {  // 8-lane machines take the block in two halves
     typename V::F acc[R];
@@ -22,38 +31,19 @@ void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) 
     for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = block * groups + g;
-      const uint8_t* raw = w.codes + at * bytes + h * 2 * V::kCols;
-      // The weights stream once per call: ask for a group a few ahead (the next block's follow).
-      __builtin_prefetch(raw + kPrefetchGroups * bytes);
-      __builtin_prefetch(raw + kPrefetchGroups * bytes + 64);
-      __builtin_prefetch(raw + kPrefetchGroups * bytes + 128);
-      __builtin_prefetch(raw + kPrefetchGroups * bytes + 192);
-      if constexpr (Fmt == kQ8_0) {
-#pragma GCC unroll 4
-        for (int64_t e = 256; e < bytes; e += 64) __builtin_prefetch(raw + kPrefetchGroups * bytes + e);
-      }
-      const int16_t* x = a.q + r0 * k + g * kGroup;
-      typename V::I dot[R][C];  // exact int32 sums of code x activation over the group
+      const uint8_t* raw = w.codes + at * kBytes4 + h * 2 * V::kCols;
+      prefetch_group(raw + kPrefetchGroups * kBytes4, kBytes4);
+      const int8_t* x = a.q8 + r0 * k + g * kGroup;
+      typename V::I dot[R][C];  // exact int32 sums of code x q1 over the group
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
-      if constexpr (Fmt == kQ8_0) {
-        for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes
-          const typename V::W wv = V::load8(raw + p * 2 * kCols);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * k + 2 * p);
-        }
-      } else {
-        for (int64_t p = 0; p < kGroup / 4; ++p) {  // two pairs of K per 32 bytes: low and high nibbles
-          typename V::W w0, w1;
-          V::load4(raw + p * 2 * kCols, w0, w1);
+      for (int64_t p = 0; p < kGroup / 4; ++p) {  // four inputs per 32 bytes of nibbles
+        const typename V::B wv = V::nibbles(raw + p * 2 * kCols);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            dot[r][(2 * p) % C] = V::dot(dot[r][(2 * p) % C], w0, x + r * k + 4 * p);
-            dot[r][(2 * p + 1) % C] = V::dot(dot[r][(2 * p + 1) % C], w1, x + r * k + 4 * p + 2);
-          }
-        }
+        for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot8(dot[r][p % C], wv, x + r * k + 4 * p);
       }
       const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
       typename V::F m;
@@ -64,15 +54,22 @@ void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) 
 #pragma GCC unroll 8
         for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
         const int64_t row_group = (r0 + r) * groups + g;
-        typename V::F u;
-        if constexpr (Fmt == kQ4_0) {  // w = d (q - 8): the -8 is folded into the integer sum
-          u = V::mul(d, V::cvt(V::sub(total, 8 * a.sum[row_group])));
-        } else if constexpr (Fmt == kQ4_1) {  // w = d q + m
-          u = V::fma(m, V::set1(static_cast<float>(a.sum[row_group])), V::mul(d, V::cvt(total)));
-        } else {  // w = d q
-          u = V::mul(d, V::cvt(total));
+        typename V::F value = V::cvt(total);
+        // This row's own flag: its bits never depend on the others. (The codes are decoded again
+        // from L1: keeping the group's 8 vectors for this measured slower at 6 rows.)
+        if (a.outlier[row_group]) {
+          const int8_t* res = a.r8 + (r0 + r) * k + g * kGroup;
+          typename V::I t2 = V::zero_i();
+#pragma GCC unroll 8
+          for (int64_t p = 0; p < kGroup / 4; ++p) t2 = V::dot8(t2, V::nibbles(raw + p * 2 * kCols), res + 4 * p);
+          value = V::fma(value, V::set1(float(kResidualSteps)), V::cvt(t2));  // exact: below 2^24
         }
-        acc[r] = V::fma(V::set1(a.scale[row_group]), u, acc[r]);
+        const typename V::F ds = V::mul(d, V::set1(a.scale[row_group]));
+        if constexpr (Fmt == kQ4_0) {  // w = d (q - 8): the -8 taken off the exact integer value
+          acc[r] = V::fma(ds, V::sub_f(value, V::set1(8.f * a.sum[row_group])), acc[r]);
+        } else {  // w = d q + m
+          acc[r] = V::fma(m, V::set1(a.ssum[row_group]), V::fma(ds, value, acc[r]));
+        }
       }
     }
 #pragma GCC unroll 8
@@ -80,18 +77,61 @@ void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) 
   }
 }
 
-template <int Fmt, int... R>
-constexpr std::array<TileFn, kMaxRows> tiles_of(std::integer_sequence<int, R...>) {
-  std::array<TileFn, kMaxRows> t{};
-  ((t[R] = &tile<Fmt, R + 1>), ...);
-  return t;
+// The same for 8-bit codes (Q8_0, w = d q) on int16 activations: one int16 pair per 32-bit lane.
+template <int R>
+void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
+  constexpr int C = chains<R>();
+  const int64_t k = a.k, groups = a.groups;
+  for (int64_t h = 0; h < kCols / V::kCols; ++h) {
+    typename V::F acc[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = block * groups + g;
+      const uint8_t* raw = w.codes + at * kBytes8 + h * 2 * V::kCols;
+      prefetch_group(raw + kPrefetchGroups * kBytes8, kBytes8);
+      const int16_t* x = a.q16 + r0 * k + g * kGroup;
+      typename V::I dot[R][C];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
+      for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes
+        const typename V::W wv = V::load8(raw + p * 2 * kCols);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * k + 2 * p);
+      }
+      const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        typename V::I total = dot[r][0];
+#pragma GCC unroll 8
+        for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
+        const int64_t row_group = (r0 + r) * groups + g;
+        acc[r] = V::fma(V::set1(a.scale[row_group]), V::mul(d, V::cvt(total)), acc[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) V::store(out + r * kCols + h * V::kCols, acc[r]);
+  }
+}
+
+template <int... R>
+constexpr std::array<TileFn, kMaxRows> tiles_q4_0(std::integer_sequence<int, R...>) {
+  return {&tile_q4<kQ4_0, R + 1>...};
+}
+template <int... R>
+constexpr std::array<TileFn, kMaxRows> tiles_q4_1(std::integer_sequence<int, R...>) {
+  return {&tile_q4<kQ4_1, R + 1>...};
+}
+template <int... R>
+constexpr std::array<TileFn, kMaxRows> tiles_q8_0(std::integer_sequence<int, R...>) {
+  return {&tile_q8<R + 1>...};
 }
 
 // This variant's tiles: [format][rows - 1], up to V::kRows rows.
 inline const TileTable& table() {
-  static const TileTable t{{tiles_of<kQ4_0>(std::make_integer_sequence<int, V::kRows>{}),
-                            tiles_of<kQ4_1>(std::make_integer_sequence<int, V::kRows>{}),
-                            tiles_of<kQ8_0>(std::make_integer_sequence<int, V::kRows>{})},
-                           V::kRows};
+  constexpr auto rows = std::make_integer_sequence<int, V::kRows>{};
+  static const TileTable t{{tiles_q4_0(rows), tiles_q4_1(rows), tiles_q8_0(rows)}, V::kRows};
   return t;
 }

@@ -1,0 +1,132 @@
+// The packed matmul's activations, quantized per row and group of 32 (packed_linear.cpp).
+//
+// - Q8_0 weights (the 8-bit head) take int16 activations: s = max|x| / 32767, q = round(x / s).
+// - 4-bit weights take int8 activations, with an int8 residual where one is needed:
+//   s1 = max|x| / 127, q1 = round(x / s1): the group is s1 q1. In a group whose max exceeds 4x
+//   its root mean square (an outlier group, where int8 alone loses the small values; judged on
+//   q1) also q2 = round((x - s1 q1) / s), s = s1 / 254, and the group is s (254 q1 + q2):
+//   |254 q1 + q2| <= 32385, about int16's resolution where it matters, while most groups cost one
+//   int8 multiply-add pass instead of two int16 ones. Whether a group has a residual depends only
+//   on its own values, so a row's bits never depend on the rows beside it.
+// A group holding an inf or a NaN gets a NaN scale, so its rows' outputs are NaN (as a dense
+// matmul's would be).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "packed_layout.h"
+
+namespace {
+
+constexpr int32_t kAct16Max = 32767, kAct8Max = 127, kResidualSteps = 254;
+// A group whose max |x| exceeds 4x its root mean square keeps a residual: in int8 units,
+// sum(q1^2) < 2 * 127^2.
+constexpr int32_t kOutlierSquares = 2 * kAct8Max * kAct8Max;
+
+struct Act {  // a call's activations, one layout per weight format
+  const int16_t* q16;  // [M, K]: Q8_0's int16 values
+  const int8_t* q8;    // [M, K]: int8 values
+  const int8_t* r8;    // [M, K]: int8 residuals; zero outside outlier groups
+  const uint8_t* outlier;  // [M, groups]: whether r8 holds a residual
+  const float* scale;  // [M, groups]: the group's step (int8: s1, or s in an outlier group)
+  const float* sum;    // [M, groups]: int8: the sum of the group's values on that step (exact)
+  const float* ssum;   // [M, groups]: int8: scale * sum, for Q4_1's offsets
+  int64_t k, groups;
+};
+
+struct ActBuffers {  // owns what an Act points at
+  std::vector<int16_t> q16;
+  std::vector<int8_t> q8, r8;
+  std::vector<uint8_t> outlier;
+  std::vector<float> scale, sum, ssum;
+  Act act(int64_t k, int64_t groups) const {
+    return {q16.data(), q8.data(), r8.data(), outlier.data(), scale.data(), sum.data(), ssum.data(), k, groups};
+  }
+};
+
+// The group's values as fp32, its max |x|, and whether every value is finite.
+template <typename T>
+bool load_group(const T* xs, float* v, float& amax) {
+  bool finite = true;
+  amax = 0.f;
+  for (int64_t j = 0; j < kGroup; ++j) {
+    v[j] = static_cast<float>(xs[j]);
+    finite = finite && std::fabs(v[j]) <= std::numeric_limits<float>::max();
+    amax = std::max(amax, std::fabs(v[j]));
+  }
+  return finite;
+}
+
+template <typename T>
+void quantize_int16(const T* x, int64_t m, int64_t k, ActBuffers& b) {
+  const int64_t groups = k / kGroup;
+  b.q16.assign(m * k, 0);
+  b.scale.resize(m * groups);
+  for (int64_t i = 0; i < m * groups; ++i) {  // row-major: group i of the flattened [M * groups]
+    float v[kGroup], amax;
+    const bool finite = load_group(x + i * kGroup, v, amax);
+    const float d = amax / static_cast<float>(kAct16Max);
+    if (finite && d > 0.f)
+      for (int64_t j = 0; j < kGroup; ++j)
+        b.q16[i * kGroup + j] = static_cast<int16_t>(std::clamp(std::nearbyint(v[j] / d), -float(kAct16Max), float(kAct16Max)));
+    b.scale[i] = finite ? d : std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
+// Written for the compiler's vectorizer: integer max and sums, and the exact float operations
+// (division, rint, fma, min, max) give the same bits in vectors as in scalars, so every build level
+// quantizes alike.
+template <typename T>
+void quantize_int8(const T* x, int64_t m, int64_t k, ActBuffers& b) {
+  const int64_t groups = k / kGroup;
+  b.q8.assign(m * k, 0);
+  b.r8.assign(m * k, 0);
+  b.outlier.assign(m * groups, 0);
+  b.scale.resize(m * groups);
+  b.sum.assign(m * groups, 0.f);
+  b.ssum.assign(m * groups, 0.f);
+  for (int64_t i = 0; i < m * groups; ++i) {
+    const T* xs = x + i * kGroup;
+    float v[kGroup], q1[kGroup];
+    uint32_t top = 0;  // max |x| as bits: for non-negative floats integer order is float order
+    for (int64_t j = 0; j < kGroup; ++j) {
+      v[j] = static_cast<float>(xs[j]);
+      uint32_t bits;
+      std::memcpy(&bits, &v[j], sizeof bits);
+      top = std::max(top, bits & 0x7FFFFFFFu);
+    }
+    float amax;
+    std::memcpy(&amax, &top, sizeof amax);
+    const bool finite = top < 0x7F800000u;  // below the bits of +inf: no inf, no NaN
+    const float s1 = amax / static_cast<float>(kAct8Max), s = s1 / static_cast<float>(kResidualSteps);
+    b.scale[i] = finite ? s1 : std::numeric_limits<float>::quiet_NaN();
+    b.ssum[i] = b.scale[i] * 0.f;  // NaN with the scale
+    if (!finite || !(s > 0.f)) continue;
+    int8_t* q = b.q8.data() + i * kGroup;
+    int32_t squares = 0, sum1 = 0, sum2 = 0;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      q1[j] = std::min(std::max(std::rint(v[j] / s1), -float(kAct8Max)), float(kAct8Max));
+      q[j] = static_cast<int8_t>(q1[j]);
+    }
+    for (int64_t j = 0; j < kGroup; ++j) squares += q[j] * q[j], sum1 += q[j];
+    // max|x| > 4 rms, on the int8 values (exact): 127^2 > 16 sum(q1^2) / 32.
+    const bool outlier = squares < kOutlierSquares;
+    if (outlier) {
+      int8_t* r = b.r8.data() + i * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j)  // fma: the residual x - s1 q1, rounded once
+        r[j] = static_cast<int8_t>(std::min(std::max(std::rint(std::fma(-q1[j], s1, v[j]) / s), -float(kAct8Max)), float(kAct8Max)));
+      for (int64_t j = 0; j < kGroup; ++j) sum2 += r[j];
+    }
+    b.outlier[i] = outlier;
+    b.scale[i] = outlier ? s : s1;
+    b.sum[i] = static_cast<float>(outlier ? kResidualSteps * sum1 + sum2 : sum1);  // < 2^24: exact
+    b.ssum[i] = b.scale[i] * b.sum[i];
+  }
+}
+
+}  // namespace
