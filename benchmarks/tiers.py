@@ -3,7 +3,7 @@
 - exact tier: `LLM(dtype="float32")`, dense fp32 weights, logprobs within ~1e-5 of HF fp32; the
   reference every other row's greedy output is compared with;
 - fast tier: `LLM(dtype="auto")`, which on the GGUF file keeps the Q4_1/Q8_0 blocks packed
-  (bfloat16 activations; on a CPU, verispec's packed kernel, int16 activations per block of 32).
+  (bfloat16 activations; on a CPU, verispec's packed kernel, activations quantized per block of 32).
 
 Both pass `dtype` explicitly, so a change of `LLM()`'s default never silently changes a row.
 The fast tier's outputs are not expected to equal the exact tier's; how far its distributions are

@@ -96,7 +96,7 @@ def test_every_variant_gives_the_portable_bits_within_the_fp32_bound(kind, n, k)
     layer = PackedLinear(w, CPU)
     assert layer.format == PACKED_FORMATS[kind]
     g = torch.Generator().manual_seed(7)
-    for rows in (1, 3, 8, 13):  # 13: a full tile and a partial one
+    for rows in (1, 2, 3, 8, 13):  # each tile shape's chains; 13: a full tile and a partial one
         x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).bfloat16()
         base = run(layer, x, "portable")
         for variant in ops().packed_variants():

@@ -5,7 +5,8 @@
   reads the cache blocks in place in a few microseconds, and on long prefill chunks it matches
   SDPA's flash attention. Its results do not depend on how a step is cut.
 - The fast tier's packed matmul (`csrc/packed_linear.cpp`): GGUF Q4_0 / Q4_1 / Q8_0 blocks as in
-  the file, int16 activations per block of 32, exact integer dot products, one pass over the
+  the file, activations quantized per block of 32 (int8 with an int8 residual in outlier blocks
+  for 4-bit codes, int16 for 8-bit ones), exact integer dot products, one pass over the
   weights for all of a call's rows; VNNI variants chosen at run time (models/linear.py,
   `PackedLinear`).
 - Weight-only quantized matmul for the exact tier on GGUF codes (`csrc/quant_linear.cpp`: 8-bit

@@ -246,8 +246,8 @@ def step_rows(spans, num_rows: int, device: torch.device):
 class PackedLinear(nn.Module):
     """A GGUF-format matrix (Q4_0, Q4_1 or Q8_0, groups of 32, fp16 scales) on verispec's packed
     kernel (`csrc/packed_linear.cpp`): the file's blocks, 4-bit codes two per byte, read once per
-    call for all its rows; activations quantized per group of 32 to int16, exact int32 dot
-    products. The fast tier's kernel for decode, verify and short chunks on a CPU; a row's result
+    call for all its rows; activations quantized per group of 32 (int8, with an int8 residual in
+    outlier groups, for 4-bit codes; int16 for 8-bit ones), exact int32 dot products. The fast tier's kernel for decode, verify and short chunks on a CPU; a row's result
     does not depend on the rows beside it, nor on the instruction set. In a step past
     `kernel_max_rows` rows, long prefill chunks' rows take a dense matmul on the matrix decoded
     (exactly, then rounded once), while decode and verify rows stay on the kernel (`step_rows`).

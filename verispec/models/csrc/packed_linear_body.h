@@ -9,7 +9,7 @@
 // row or two alone would stall on one chain; from 3 rows the rows' own chains keep the unit busy
 // (one chain there measured faster than two). Integer sums are exact: the split never changes a result.
 template <int R>
-constexpr int chains() { return R >= 3 ? 1 : V::kChains / R; }
+constexpr int chains() { return R >= 3 || V::kChains < 2 * R ? 1 : V::kChains / R; }
 
 inline void prefetch_group(const uint8_t* next, int64_t bytes) {  // the weights stream once per call
 #pragma GCC unroll 8
@@ -39,11 +39,12 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
+      typename V::B wv[kGroup / 4];  // kept for the residuals (in registers with AVX-512's 32)
 #pragma GCC unroll 8
       for (int64_t p = 0; p < kGroup / 4; ++p) {  // four inputs per 32 bytes of nibbles
-        const typename V::B wv = V::nibbles(raw + p * 2 * kCols);
+        wv[p] = V::nibbles(raw + p * 2 * kCols);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot8(dot[r][p % C], wv, x + r * k + 4 * p);
+        for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot8(dot[r][p % C], wv[p], x + r * k + 4 * p);
       }
       const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
       typename V::F m;
@@ -55,13 +56,11 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
         for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
         const int64_t row_group = (r0 + r) * groups + g;
         typename V::F value = V::cvt(total);
-        // This row's own flag: its bits never depend on the others. (The codes are decoded again
-        // from L1: keeping the group's 8 vectors for this measured slower at 6 rows.)
-        if (a.outlier[row_group]) {
+        if (a.outlier[row_group]) {  // this row's own flag: its bits never depend on the others
           const int8_t* res = a.r8 + (r0 + r) * k + g * kGroup;
           typename V::I t2 = V::zero_i();
 #pragma GCC unroll 8
-          for (int64_t p = 0; p < kGroup / 4; ++p) t2 = V::dot8(t2, V::nibbles(raw + p * 2 * kCols), res + 4 * p);
+          for (int64_t p = 0; p < kGroup / 4; ++p) t2 = V::dot8(t2, wv[p], res + 4 * p);
           value = V::fma(value, V::set1(float(kResidualSteps)), V::cvt(t2));  // exact: below 2^24
         }
         const typename V::F ds = V::mul(d, V::set1(a.scale[row_group]));
