@@ -77,6 +77,8 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
 }
 
 // The same for 8-bit codes (Q8_0, w = d q) on int16 activations: one int16 pair per 32-bit lane.
+// Its prologue repeats tile_q4's on purpose: one template for both formats (if constexpr on the
+// format) ran the 4-bit matmuls 2.2x slower at 6 rows (9.4 against 4.3 ms for the model's 121).
 template <int R>
 void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
   constexpr int C = chains<R>();
