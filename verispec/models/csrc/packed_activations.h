@@ -49,17 +49,20 @@ struct ActBuffers {  // owns what an Act points at
   }
 };
 
-// The group's values as fp32, its max |x|, and whether every value is finite.
+// The group's values as fp32, its max |x|, and whether every value is finite. The max is taken
+// on the bits (for non-negative floats integer order is float order): the vectorizer takes an
+// integer max, and the result is exact either way.
 template <typename T>
 bool load_group(const T* xs, float* v, float& amax) {
-  bool finite = true;
-  amax = 0.f;
+  uint32_t top = 0;
   for (int64_t j = 0; j < kGroup; ++j) {
     v[j] = static_cast<float>(xs[j]);
-    finite = finite && std::fabs(v[j]) <= std::numeric_limits<float>::max();
-    amax = std::max(amax, std::fabs(v[j]));
+    uint32_t bits;
+    std::memcpy(&bits, &v[j], sizeof bits);
+    top = std::max(top, bits & 0x7FFFFFFFu);
   }
-  return finite;
+  std::memcpy(&amax, &top, sizeof amax);
+  return top < 0x7F800000u;  // below the bits of +inf: no inf, no NaN
 }
 
 template <typename T>
@@ -78,9 +81,9 @@ void quantize_int16(const T* x, int64_t m, int64_t k, ActBuffers& b) {
   }
 }
 
-// Written for the compiler's vectorizer: integer max and sums, and the exact float operations
-// (division, rint, fma, min, max) give the same bits in vectors as in scalars, so every build level
-// quantizes alike.
+// Written for the compiler's vectorizer: integer max (load_group) and sums, and the exact float
+// operations (division, rint, fma, min, max) give the same bits in vectors as in scalars, so every
+// build level quantizes alike.
 template <typename T>
 void quantize_int8(const T* x, int64_t m, int64_t k, ActBuffers& b) {
   const int64_t groups = k / kGroup;
@@ -91,18 +94,8 @@ void quantize_int8(const T* x, int64_t m, int64_t k, ActBuffers& b) {
   b.sum.assign(m * groups, 0.f);
   b.ssum.assign(m * groups, 0.f);
   for (int64_t i = 0; i < m * groups; ++i) {
-    const T* xs = x + i * kGroup;
-    float v[kGroup], q1[kGroup];
-    uint32_t top = 0;  // max |x| as bits: for non-negative floats integer order is float order
-    for (int64_t j = 0; j < kGroup; ++j) {
-      v[j] = static_cast<float>(xs[j]);
-      uint32_t bits;
-      std::memcpy(&bits, &v[j], sizeof bits);
-      top = std::max(top, bits & 0x7FFFFFFFu);
-    }
-    float amax;
-    std::memcpy(&amax, &top, sizeof amax);
-    const bool finite = top < 0x7F800000u;  // below the bits of +inf: no inf, no NaN
+    float v[kGroup], q1[kGroup], amax;
+    const bool finite = load_group(x + i * kGroup, v, amax);
     const float s1 = amax / static_cast<float>(kAct8Max), s = s1 / static_cast<float>(kResidualSteps);
     b.scale[i] = finite ? s1 : std::numeric_limits<float>::quiet_NaN();
     b.ssum[i] = b.scale[i] * 0.f;  // NaN with the scale
