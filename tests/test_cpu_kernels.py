@@ -276,6 +276,7 @@ def test_layout_needs_whole_vectors():
     assert not kernel_layout(torch.device("meta"), BLOCK, 64)  # not a CPU
 
 
+@pytest.mark.usefixtures("cpu_kernels_loaded")  # the test order is random: load them here
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n", [96, 100])  # 100: the last block of 16 columns is padded
 def test_quant_linear_kernel_matches_float64_and_rows_do_not_interact(n, bits):
@@ -301,6 +302,7 @@ def test_quant_linear_kernel_matches_float64_and_rows_do_not_interact(n, bits):
         assert torch.equal(y, torch.cat([head(x[i : i + 1]) for i in range(rows)]))
 
 
+@pytest.mark.usefixtures("cpu_kernels_loaded")
 def test_an_8_bit_lm_head_runs_on_the_kernels_with_fp32_logits(tiny_llama):
     """The fast tier's on the packed kernel, the exact tier on the codes' on the decoding one."""
     from verispec.models.linear import DecodedLinear, PackedLinear
