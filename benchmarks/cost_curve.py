@@ -39,13 +39,27 @@ class CurveRow:
     config: str
     rows: int
     step_ms: float
-    matmul_ms: float | None = None  # the bare packed loop (packed configuration only)
-    gb_s: float | None = None
-    gmac_s: float | None = None
     context: int = CONTEXT  # cached tokens before the step's rows
 
     def ratio(self, one: "CurveRow") -> float:
         return self.step_ms / one.step_ms
+
+
+@dataclass(slots=True)
+class BareRow:
+    """The bare packed loop at one row count on one of the kernel's variants."""
+
+    variant: str  # the packed kernel's variant (packed_variants(); the first is the one steps run)
+    rows: int
+    ms: float
+    gb_s: float  # bytes of weights read per second
+    gmac_s: float  # multiply-adds per second
+
+
+@dataclass(slots=True)
+class CostCurve:
+    steps: list[CurveRow]
+    bare: list[BareRow]
 
 
 def _step_times(model: Any, rows: tuple[int, ...], reps: int, context: int = CONTEXT) -> dict[int, float]:
@@ -87,28 +101,33 @@ def _activations(n: int, k: int, dtype: Any) -> Any:
     return x.to(dtype)
 
 
-def _bare_packed_loop(model: Any, rows: tuple[int, ...], reps: int) -> dict[int, tuple[float, float, float]]:
-    """ms, GB/s and GMAC/s of the model's packed matmuls alone, in step order."""
+def _bare_packed_loop(model: Any, rows: tuple[int, ...], reps: int) -> list[BareRow]:
+    """ms, GB/s and GMAC/s of the model's packed matmuls alone, in step order, on every variant
+    this CPU runs: an AVX-512 machine also times the AVX2 code an AVX2-only CPU would run."""
     import torch
 
     from verispec.models.linear import PackedLinear
 
+    op = torch.ops.verispec_cpu.packed_linear
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     nbytes = sum(m.codes.nbytes + m.scales.nbytes + (0 if m.offsets is None else m.offsets.nbytes) for m in layers)
     macs = sum(m.n * m.codes.shape[1] * 32 for m in layers)
-    xs = {n: {m: _activations(n, m.codes.shape[1] * 32, model.dtype) for m in layers} for n in rows}
-    best = dict.fromkeys(rows, float("inf"))
+    # The head takes fp32 rows (PackedLinear converts them; here that is done before timing).
+    xs = {n: [_activations(n, m.codes.shape[1] * 32, torch.float32 if m.float_output else model.dtype)
+              for m in layers] for n in rows}
+    cases = [(v, n) for v in torch.ops.verispec_cpu.packed_variants() for n in rows]
+    best = dict.fromkeys(cases, float("inf"))
     with torch.inference_mode():
-        for _ in range(reps + 1):  # the first round warms up; counts take turns, as in _step_times
-            for n in rows:
+        for _ in range(reps + 1):  # the first round warms up; all cases take turns, as in _step_times
+            for v, n in cases:
                 t0 = time.perf_counter()
-                for m in layers:
-                    m(xs[n][m])
-                best[n] = min(best[n], time.perf_counter() - t0)
-    return {n: (t * 1e3, nbytes / t / 1e9, n * macs / t / 1e9) for n, t in best.items()}
+                for m, x in zip(layers, xs[n]):
+                    op(x, m.codes, m.scales, m.offsets, m.format, m.n, v)
+                best[v, n] = min(best[v, n], time.perf_counter() - t0)
+    return [BareRow(v, n, t * 1e3, nbytes / t / 1e9, n * macs / t / 1e9) for (v, n), t in best.items()]
 
 
-def run_cost_curve(quick: bool, log: Callable[[str], None]) -> list[CurveRow]:
+def run_cost_curve(quick: bool, log: Callable[[str], None]) -> CostCurve:
     import gc
 
     from verispec import LLM
@@ -116,6 +135,7 @@ def run_cost_curve(quick: bool, log: Callable[[str], None]) -> list[CurveRow]:
 
     reps = 5 if quick else 15
     rows: list[CurveRow] = []
+    bare: list[BareRow] = []
     configs = CONFIGS[:2] if quick else CONFIGS
     for label, options, env in configs:
         log(f"cost curve: {label} ...")
@@ -125,11 +145,9 @@ def run_cost_curve(quick: bool, log: Callable[[str], None]) -> list[CurveRow]:
             llm = LLM(num_kv_blocks=16, **options)
             model = llm.engine.model
             steps = _step_times(model, ROWS, reps)
-            packed = any(isinstance(m, PackedLinear) for m in model.modules())
-            bare = _bare_packed_loop(model, ROWS, reps) if packed else {}
-            for n in ROWS:
-                ms, gb, gmac = bare.get(n, (None, None, None))
-                rows.append(CurveRow(label, n, steps[n], ms, gb, gmac))
+            rows += [CurveRow(label, n, steps[n]) for n in ROWS]
+            if any(isinstance(m, PackedLinear) for m in model.modules()):
+                bare = _bare_packed_loop(model, ROWS, reps)
             if label == CONFIGS[0][0]:
                 long = _step_times(model, ROWS, reps, LONG_CONTEXT)
                 rows += [CurveRow(long_label(label), n, long[n], context=LONG_CONTEXT) for n in ROWS]
@@ -141,14 +159,15 @@ def run_cost_curve(quick: bool, log: Callable[[str], None]) -> list[CurveRow]:
                     os.environ[k] = v
             llm = model = None
             gc.collect()
-    return rows
+    return CostCurve(rows, bare)
 
 
 def long_label(label: str) -> str:
     return f"{label}, {LONG_CONTEXT}-token context"
 
 
-def format_curve(rows: list[CurveRow]) -> str:
+def format_curve(curve: CostCurve) -> str:
+    rows = curve.steps
     configs = list(dict.fromkeys(r.config for r in rows))
     lines = ["| configuration | " + " | ".join(f"{n} rows" for n in ROWS) + f" | {VERIFY_ROWS} rows / 1 row |",
              "|---|" + "---|" * (len(ROWS) + 1)]
@@ -156,11 +175,7 @@ def format_curve(rows: list[CurveRow]) -> str:
         mine = {r.rows: r for r in rows if r.config == c}
         cells = [f"{mine[n].step_ms:.2f} ms ({mine[n].ratio(mine[1]):.2f}x)" for n in ROWS]
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {mine[VERIFY_ROWS].ratio(mine[1]):.2f}x |")
-    bare = [r for r in rows if r.matmul_ms is not None]
-    if bare:
-        lines += ["", "Bare packed matmul loop (the model's 121 matrices, nothing else):", "",
-                  "| rows | ms | GB/s of weights | GMAC/s |", "|---|---|---|---|"]
-        lines += [f"| {r.rows} | {r.matmul_ms:.2f} | {r.gb_s:.1f} | {r.gmac_s:.1f} |" for r in bare]
+    lines += _format_bare(curve.bare)
     fast = {r.rows: r for r in rows if r.config == CONFIGS[0][0]}
     if fast:
         ratio = fast[VERIFY_ROWS].ratio(fast[1])
@@ -173,7 +188,24 @@ def format_curve(rows: list[CurveRow]) -> str:
     return "\n".join(lines)
 
 
-def plot_curve(path: Path, rows: list[CurveRow]) -> None:
+def _format_bare(bare: list[BareRow]) -> list[str]:
+    """The steps' variant in full (ms, GB/s, GMAC/s), then every variant's ms and 6-row ratio."""
+    if not bare:
+        return []
+    variants = list(dict.fromkeys(r.variant for r in bare))
+    lines = ["", f"Bare packed matmul loop (the model's 121 matrices, nothing else), {variants[0]}:", "",
+             "| rows | ms | GB/s of weights | GMAC/s |", "|---|---|---|---|"]
+    lines += [f"| {r.rows} | {r.ms:.2f} | {r.gb_s:.1f} | {r.gmac_s:.1f} |" for r in bare if r.variant == variants[0]]
+    lines += ["", "The same loop on each variant this CPU runs (ms):", "",
+              "| variant | " + " | ".join(f"{n} rows" for n in ROWS) + f" | {VERIFY_ROWS} rows / 1 row |",
+              "|---|" + "---|" * (len(ROWS) + 1)]
+    for v in variants:
+        ms = {r.rows: r.ms for r in bare if r.variant == v}
+        lines.append(f"| {v} | " + " | ".join(f"{ms[n]:.2f}" for n in ROWS) + f" | {ms[VERIFY_ROWS] / ms[1]:.2f}x |")
+    return lines
+
+
+def plot_curve(path: Path, rows: list[CurveRow]) -> None:  # the steps; the bare loop is a table
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,9 +227,9 @@ def plot_curve(path: Path, rows: list[CurveRow]) -> None:
     plt.close(fig)
 
 
-def write_curve(out: Path, machine: dict[str, Any], rows: list[CurveRow]) -> str:
-    md = format_curve(rows)
+def write_curve(out: Path, machine: dict[str, Any], curve: CostCurve) -> str:
+    md = format_curve(curve)
     (out / "cost_curve.md").write_text(md + "\n")
-    (out / "cost_curve.json").write_text(json.dumps({"machine": machine, "rows": [asdict(r) for r in rows]}, indent=1))
-    plot_curve(out / "cost_curve.png", rows)
+    (out / "cost_curve.json").write_text(json.dumps({"machine": machine, **asdict(curve)}, indent=1))
+    plot_curve(out / "cost_curve.png", curve.steps)
     return md

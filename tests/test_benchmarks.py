@@ -295,18 +295,25 @@ def test_scaling_table_ratio_and_files(tmp_path):
 
 
 def test_the_cost_curve_table_gives_each_step_against_one_row_and_the_verify_target():
-    from benchmarks.cost_curve import CONFIGS, LONG_CONTEXT, ROWS, CurveRow, format_curve, long_label
+    from benchmarks.cost_curve import CONFIGS, LONG_CONTEXT, ROWS, BareRow, CostCurve, CurveRow, format_curve, long_label
 
     packed, other = CONFIGS[0][0], CONFIGS[1][0]
-    rows = [CurveRow(packed, n, 4.0 + 0.2 * (n - 1), 3.0, 30.0, 100.0) for n in ROWS]
+    rows = [CurveRow(packed, n, 4.0 + 0.2 * (n - 1)) for n in ROWS]
     rows += [CurveRow(other, n, 8.0 * n) for n in ROWS]
-    table = format_curve(rows)
+    bare = [BareRow("avx512_vnni", n, 3.0, 30.0, 100.0) for n in ROWS]
+    bare += [BareRow("avx2", n, 2.0 + n, 10.0, 50.0) for n in ROWS]
+    table = format_curve(CostCurve(rows, bare))
     assert f"| {packed} | 4.00 ms (1.00x)" in table and "| 1.25x |" in table  # 5.0 / 4.0 at 6 rows
     assert f"| {other} | 8.00 ms (1.00x)" in table and "| 6.00x |" in table
+    # The steps' variant in full, then every variant's milliseconds and its 6-row ratio.
     assert "Bare packed matmul loop" in table and table.count("| 3.00 | 30.0 | 100.0 |") == len(ROWS)
+    assert "| 10.0 | 50.0 |" not in table
+    assert "| avx512_vnni | 3.00 | 3.00 | 3.00 | 3.00 | 3.00 | 3.00 | 1.00x |" in table
+    assert "| avx2 | 3.00 | 4.00 | 6.00 | 8.00 | 10.00 | 18.00 | 2.67x |" in table
     assert table.endswith("1.25x, met")
     # The fast tier over a long context: its own row, and its ratio under the target line.
     rows += [CurveRow(long_label(packed), n, 5.0 + 0.4 * (n - 1), context=LONG_CONTEXT) for n in ROWS]
-    table = format_curve(rows)
+    table = format_curve(CostCurve(rows, []))
     assert f"| {long_label(packed)} | 5.00 ms (1.00x)" in table  # 7.0 / 5.0 at 6 rows
+    assert "Bare packed" not in table
     assert table.endswith(f"1.25x, met\nOver a {LONG_CONTEXT}-token context: 1.40x")

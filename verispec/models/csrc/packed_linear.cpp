@@ -82,6 +82,7 @@ struct V {
     }
     return b;
   }
+  static I widen(const I& a) { return a; }  // dot8's sums are int32 already
   static I dot8(I acc, const B& w, const int8_t* x) {
     for (int j = 0; j < 16; ++j)
       for (int i = 0; i < 4; ++i) acc.v[j] += int32_t(w.v[4 * j + i]) * x[i];
@@ -139,7 +140,7 @@ struct V {
 // ------------------------------------------------------------------ x86: 16 or 8 lanes per vector
 // A 4-bit run's byte pairs (one column's, inputs 4p..4p+3 as low, low, high, high nibbles)
 // zero-extended to 32-bit lanes v: (v | v << 12) & 0x0F0F0F0F puts the four codes in input order.
-#define VS_AVX2_TRAITS(DOT, DOT8)                                                                     \
+#define VS_AVX2_TRAITS(DOT, DOT8, WIDEN)                                                                     \
   struct V {                                                                                          \
     static constexpr int kCols = 8, kRows = 4, kChains = 4; /* 16 ymm registers */                    \
     using W = __m256i;                                                                                \
@@ -157,6 +158,7 @@ struct V {
     }                                                                                                 \
     static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm256_set1_epi32(lane(x))); }     \
     static I dot8(I acc, B w, const int8_t* x) { return DOT8(acc, w, _mm256_set1_epi32(lane(x))); }    \
+    static I widen(I a) { return WIDEN(a); }                                                          \
     static I add(I a, I b) { return _mm256_add_epi32(a, b); }                                         \
     static F cvt(I a) { return _mm256_cvtepi32_ps(a); }                                               \
     static F halves(const uint16_t* p) {                                                              \
@@ -169,13 +171,15 @@ struct V {
     static void store(float* p, F f) { _mm256_storeu_ps(p, f); }                                      \
   };
 
-// Without VNNI: u8 x s8 pairs to int16 (15 x 127 x 2 cannot saturate), then pairs of those to int32.
+// Without VNNI, dot8 keeps int16 lanes: u8 x s8 pairs (|.| <= 2 x 15 x 127 = 3810) summed over at
+// most a group's 8 runs of 4 inputs stay within 30480 < 2^15, exact; `widen` then adds the pairs
+// of int16 lanes into the int32 lanes once per group (one vpmaddwd per group, not per run).
 inline __m256i avx2_dot(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
-inline __m256i avx2_dot8(__m256i acc, __m256i w, __m256i x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-}
+inline __m256i avx2_dot8(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+inline __m256i avx2_widen(__m256i a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+inline __m256i same(__m256i a) { return a; }  // VNNI's sums are int32 already
 namespace avx2 {
-VS_AVX2_TRAITS(avx2_dot, avx2_dot8)
+VS_AVX2_TRAITS(avx2_dot, avx2_dot8, avx2_widen)
 #include "packed_linear_body.h"
 }  // namespace avx2
 
@@ -185,14 +189,14 @@ VS_AVX2_TRAITS(avx2_dot, avx2_dot8)
 namespace avx2_vnni {
 inline __m256i vnni_dot(__m256i acc, __m256i w, __m256i x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
 inline __m256i vnni_dot8(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
-VS_AVX2_TRAITS(vnni_dot, vnni_dot8)
+VS_AVX2_TRAITS(vnni_dot, vnni_dot8, same)
 #include "packed_linear_body.h"
 }  // namespace avx2_vnni
 #pragma GCC pop_options
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define VS_AVX512_TRAITS(DOT, DOT8)                                                                   \
+#define VS_AVX512_TRAITS(DOT, DOT8, WIDEN)                                                                   \
   struct V {                                                                                          \
     static constexpr int kCols = 16, kRows = kMaxRows, kChains = 8; /* 32 zmm registers */            \
     using W = __m512i;                                                                                \
@@ -210,6 +214,7 @@ VS_AVX2_TRAITS(vnni_dot, vnni_dot8)
     }                                                                                                 \
     static I dot(I acc, W w, const int16_t* x) { return DOT(acc, w, _mm512_set1_epi32(lane(x))); }     \
     static I dot8(I acc, B w, const int8_t* x) { return DOT8(acc, w, _mm512_set1_epi32(lane(x))); }    \
+    static I widen(I a) { return WIDEN(a); }                                                          \
     static I add(I a, I b) { return _mm512_add_epi32(a, b); }                                         \
     static F cvt(I a) { return _mm512_cvtepi32_ps(a); }                                               \
     static F halves(const uint16_t* p) {                                                              \
@@ -223,11 +228,11 @@ VS_AVX2_TRAITS(vnni_dot, vnni_dot8)
   };
 
 inline __m512i avx512_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
-inline __m512i avx512_dot8(__m512i acc, __m512i w, __m512i x) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
-}
+inline __m512i avx512_dot8(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
+inline __m512i avx512_widen(__m512i a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }  // as avx2_widen
+inline __m512i same512(__m512i a) { return a; }
 namespace avx512 {
-VS_AVX512_TRAITS(avx512_dot, avx512_dot8)
+VS_AVX512_TRAITS(avx512_dot, avx512_dot8, avx512_widen)
 #include "packed_linear_body.h"
 }  // namespace avx512
 
@@ -237,7 +242,7 @@ VS_AVX512_TRAITS(avx512_dot, avx512_dot8)
 namespace avx512_vnni {
 inline __m512i vnni_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
 inline __m512i vnni_dot8(__m512i acc, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(acc, w, x); }
-VS_AVX512_TRAITS(vnni_dot, vnni_dot8)
+VS_AVX512_TRAITS(vnni_dot, vnni_dot8, same512)
 #include "packed_linear_body.h"
 }  // namespace avx512_vnni
 #pragma GCC pop_options

@@ -34,7 +34,7 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
       const uint8_t* raw = w.codes + at * kBytes4 + h * 2 * V::kCols;
       prefetch_group(raw + kPrefetchGroups * kBytes4, kBytes4);
       const int8_t* x = a.q8 + r0 * k + g * kGroup;
-      typename V::I dot[R][C];  // exact int32 sums of code x q1 over the group
+      typename V::I dot[R][C];  // exact sums of code x q1 over the group, in V::dot8's partial form
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -51,9 +51,9 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
       if constexpr (Fmt == kQ4_1) m = V::halves(w.m + at * kCols + h * V::kCols);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        typename V::I total = dot[r][0];
+        typename V::I total = V::widen(dot[r][0]);
 #pragma GCC unroll 8
-        for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
+        for (int c = 1; c < C; ++c) total = V::add(total, V::widen(dot[r][c]));
         const int64_t row_group = (r0 + r) * groups + g;
         typename V::F value = V::cvt(total);
         if (a.outlier[row_group]) {  // this row's own flag: its bits never depend on the others
@@ -61,7 +61,7 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
           typename V::I t2 = V::zero_i();
 #pragma GCC unroll 8
           for (int64_t p = 0; p < kGroup / 4; ++p) t2 = V::dot8(t2, wv[p], res + 4 * p);
-          value = V::fma(value, V::set1(float(kResidualSteps)), V::cvt(t2));  // exact: below 2^24
+          value = V::fma(value, V::set1(float(kResidualSteps)), V::cvt(V::widen(t2)));  // exact: below 2^24
         }
         const typename V::F ds = V::mul(d, V::set1(a.scale[row_group]));
         if constexpr (Fmt == kQ4_0) {  // w = d (q - 8): the -8 taken off the exact integer value
