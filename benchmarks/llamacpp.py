@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.peers import (
+from benchmarks.system import (
     PEERS,
     PLAIN,
     SPEC,

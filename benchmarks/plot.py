@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers import PLAIN
+from benchmarks.system import PLAIN
 from benchmarks.report import THROUGHPUT, TTFT, Result
 
 

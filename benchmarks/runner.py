@@ -20,14 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.adaptive import AdaptiveRow, run_adaptive, write_adaptive
-from benchmarks.peers import (
-    PEERS,
-    PLAIN,
-    Generation,
-    PeerUnavailable,
-    System,
-    load_system,
-)
+from benchmarks.peers import load_system
 from benchmarks.plot import plot
 from benchmarks.prompts import Prompt, chat_prompts
 from benchmarks.report import (
@@ -61,6 +54,7 @@ from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.spec import SpecRow, run_sweep, write_spec
 from benchmarks.structured import run_structured, write_structured
+from benchmarks.system import PEERS, PLAIN, Generation, PeerUnavailable, System
 from benchmarks.targets import evaluate, format_targets
 from benchmarks.tiers import (
     FAST,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.peers import PLAIN, SPEC, Generation
+from benchmarks.system import PLAIN, SPEC, Generation
 from benchmarks.prompts import Prompt, chat_prompts, extractive_prompt, long_prompt
 from benchmarks.report import THROUGHPUT, TTFT
 

@@ -6,7 +6,7 @@ import argparse
 
 from benchmarks.__main__ import build_parser
 from benchmarks.fidelity import Fidelity
-from benchmarks.peers import PLAIN
+from benchmarks.system import PLAIN
 from benchmarks.report import THROUGHPUT, Result
 from benchmarks.tiers import FAST, FidelityRow
 

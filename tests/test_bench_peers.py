@@ -8,12 +8,7 @@ import json
 import pytest
 
 from benchmarks import runner
-from benchmarks.peers import (
-    PLAIN,
-    SPEC,
-    Generation,
-    PeerUnavailable,
-)
+from benchmarks.system import PLAIN, SPEC, Generation, PeerUnavailable
 from benchmarks.prompts import Prompt
 from benchmarks.report import (
     TTFT,
@@ -198,7 +193,8 @@ class _FakeLLM:
 def test_verispec_system_passes_each_tier_dtype_explicitly(monkeypatch):
     import verispec
 
-    from benchmarks.peers import SPEC_K, VerispecSystem, load_system
+    from benchmarks.peers import VerispecSystem, load_system
+    from benchmarks.system import SPEC_K
 
     monkeypatch.setattr(verispec, "LLM", _FakeLLM)
     _FakeLLM.made = []

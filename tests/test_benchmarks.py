@@ -8,12 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import runner
-from benchmarks.peers import (
-    PLAIN,
-    SPEC,
-    Generation,
-    acceptance_from_lengths,
-)
+from benchmarks.system import PLAIN, SPEC, Generation, acceptance_from_lengths
 from benchmarks.prompts import extractive_prompt, long_prompt
 from benchmarks.report import (
     TTFT,

@@ -19,7 +19,7 @@ from conftest import SMOLLM2_LOGPROB_TOL, TINY_VOCAB, examples, random_prompts
 from verispec import LLM, SamplingParams
 from verispec.engine.kv_cache import BlockPool
 from verispec.engine.prefix_cache import PrefixCache, PromptRowCache, chain_hash
-from verispec.engine.request import Request
+from verispec.request import Request
 from verispec.outputs import LogprobsLists
 from verispec.sample.noise import RequestNoise
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from verispec import SamplingParams
 from verispec.config import LogprobsMode
 from verispec.engine.kv_cache import BlockPool
-from verispec.engine.request import Request, RequestStatus
-from verispec.engine.scheduler import Scheduler, SchedulerOutput
+from verispec.request import Request, RequestStatus
+from verispec.engine.scheduler import Scheduler
+from verispec.engine.step import RequestResult, SchedulerOutput, StepResult
 from verispec.sample.noise import RequestNoise
 
 BLOCK = 4
@@ -92,9 +93,12 @@ def test_a_short_pool_preempts_the_latest_admitted_and_admits_nobody():
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def step_result(rid: str, **fields) -> StepResult:
+    return StepResult({rid: RequestResult(**fields)})
+
+
 def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     from verispec.engine.output_processor import OutputProcessor
-    from verispec.engine.runner import StepResult
     from verispec.spec_decode.metrics import SpecDecodeMetrics
 
     pool = BlockPool(16, BLOCK)
@@ -102,22 +106,47 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     output = OutputProcessor(None, max_model_len=1000)
     a = make_request("a", 6)
     sched.add(a)
+
+    def apply(step, result, skip=frozenset()):  # the engine's order: output first, then the scheduler
+        emitted = output.process_step(step, result, skip)
+        sched.update_from_output(step, result, skip)
+        return emitted
+
     step = sched.schedule()
-    assert sched.update_from_output(step, StepResult(sampled={"a": [50]}), output) == [a]
+    assert apply(step, step_result("a", sampled=[50])) == [a]
     assert a.num_computed_tokens == 6 and a.output_token_ids == [50]
     a.draft_token_ids = [60, 61, 62]
     step = sched.schedule()  # 1 new token + 3 drafts: 10 tokens, 3 blocks
     assert len(pool.table("a")) == 3
-    result = StepResult(sampled={"a": [60, 70]}, num_verified={"a": 3}, num_accepted={"a": 1})
-    sched.update_from_output(step, result, output)
+    apply(step, step_result("a", sampled=[60, 70], num_verified=3, num_accepted=1))
     # The cache keeps 6 + 1 + the accepted draft; the block that held only rejected drafts goes back.
     assert a.num_computed_tokens == 8 and len(pool.table("a")) == 2
     assert a.output_token_ids == [50, 60, 70] and a.draft_token_ids == []
     assert sched.spec_metrics.as_dict()["accepted_per_position"] == [1, 0, 0]
     assert (sched.spec_metrics.num_drafts, sched.spec_metrics.num_draft_tokens) == (1, 3)
     skipped = sched.schedule()
-    assert sched.update_from_output(skipped, StepResult(sampled={"a": [80]}), output, skip={"a"}) == []
+    assert apply(skipped, step_result("a", sampled=[80]), skip={"a"}) == []
     assert a.output_token_ids == [50, 60, 70]  # a skipped request takes nothing from the step
+
+
+def test_the_adaptive_plan_is_made_in_schedule_and_trims_the_schedulers_own_entries():
+    """The one draft decision of a step: made once, by the scheduler, before the runner sees it."""
+    from verispec.spec_decode.adaptive import AdaptiveController, CostModel
+
+    pool = BlockPool(64, BLOCK)
+    # A cost table where a verify row costs as much as a token it may save: a draft at a
+    # confidence below 1 never pays, so the plan keeps none of them.
+    adaptive = AdaptiveController(3, CostModel([1, 8], [1.0, 8.0]), exact_host_scores=True)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100, adaptive=adaptive)
+    a = make_request("a", 6)
+    sched.add(a)
+    sched.update_from_output(sched.schedule(), StepResult())
+    a.token_ids.append(50)
+    a.draft_token_ids = [60, 61, 62]
+    step = sched.schedule()
+    assert step.plan is None  # prompt lookup: the trim is the admission, nothing for the device
+    assert step.scheduled[0].draft_token_ids == [] and a.draft_token_ids == [60, 61, 62]
+    assert step.num_tokens == 1 and adaptive.stats.num_steps == 1
 
 
 # ------------------------------------------------------------------ fairness between groups

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from conftest import examples, hf_model, hf_processed, make_tiny_checkpoint, random_prompts
 from verispec import LLM, SamplingParams
 from verispec.config import LogprobsMode
-from verispec.engine.request import Request
-from verispec.engine.scheduler import ScheduledRequest
+from verispec.request import Request
+from verispec.engine.step import ScheduledRequest
 from verispec.sample.metadata import RowSpec
 from verispec.sample.noise import RequestNoise
 from verispec.spec_decode import rejection

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from verispec.config import LogprobsMode
-from verispec.engine.request import Request
-from verispec.engine.scheduler import ScheduledRequest
+from verispec.request import Request
+from verispec.engine.step import ScheduledRequest
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts, SpecDecodeMetadata

@@ -19,7 +19,7 @@ import zmq
 from verispec.config import EngineConfig
 from verispec.distributed.comm import WorkerDiedError
 from verispec.engine.core_protocol import (
-    AbortRequests, AddRequest, AddRequests, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady, EngineStats,
+    AbortRequests, AddRequest, AddRequests, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady,
     LogprobRow, RequestDelta, ResetPrefixCache, Shutdown, split_encodable,
 )
 from verispec.outputs import Logprob, RequestOutput
@@ -116,30 +116,6 @@ class DeltaTracker:
         return RequestDelta(out.request_id, completions, out.finished, prompt)
 
 
-def engine_stats(engine) -> EngineStats:
-    m = engine.spec_metrics
-    adaptive = engine.runner.adaptive.stats if engine.runner.adaptive is not None else None
-    return EngineStats(
-        num_running=len(engine.scheduler.running),
-        num_waiting=len(engine.scheduler.waiting),
-        kv_blocks_total=engine.pool.num_blocks,
-        kv_blocks_free=engine.pool.num_free_blocks,
-        num_preemptions=engine.scheduler.num_preemptions,
-        num_steps=engine.num_steps,
-        num_drafts=m.num_drafts,
-        num_draft_tokens=m.num_draft_tokens,
-        num_accepted_tokens=m.num_accepted_tokens,
-        accepted_per_position=list(m.accepted_per_position),
-        adaptive_budget_tokens=adaptive.budget_total if adaptive else 0,
-        adaptive_drafted_tokens=adaptive.drafted_total if adaptive else 0,
-        adaptive_admitted_tokens=adaptive.admitted_total if adaptive else 0,
-        adaptive_capacity_histogram=list(adaptive.capacity_histogram) if adaptive else [],
-        prefix_cache_queries=engine.prefix_cache.num_queries,
-        prefix_cache_hits=engine.prefix_cache.num_hits,
-        prefix_cache_prompt_rows_hits=engine.prefix_cache.num_prompt_rows_hit,
-    )
-
-
 class EngineCore:
     """The loop inside the core process. Separate from the process entry point so tests can
     drive it in-process."""
@@ -154,7 +130,7 @@ class EngineCore:
         self._parent_pid = os.getppid()
 
     def send(self, deltas: list[RequestDelta]) -> None:
-        stats = engine_stats(self.engine)
+        stats = self.engine.engine_stats()
         try:
             payload = self.encoder.encode(CoreOutputs(deltas, stats))
         except Exception:  # noqa: BLE001 - a delta that cannot be encoded fails its request alone
@@ -276,7 +252,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         vocab_size=engine.vocab_size,
         max_model_len=engine.max_model_len,
         max_logprobs=config.max_logprobs,
-        stats=engine_stats(engine),
+        stats=engine.engine_stats(),
         runtime=engine.runtime.labels(),
         runtime_line=engine.runtime.line(),
     )

@@ -79,6 +79,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
 
 
 class EngineStats(msgspec.Struct):
+    """The engine's counters and gauges, built in one place (`LLMEngine.engine_stats`): the core
+    sends it with every output, `/metrics` reads it, `LLM.stats()` is its `as_dict()`."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_total: int = 0
@@ -90,6 +93,7 @@ class EngineStats(msgspec.Struct):
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = msgspec.field(default_factory=list)
     # Adaptive verification (zeros / empty when off): see spec_decode/adaptive.AdaptiveStats.
+    adaptive_steps: int = 0
     adaptive_budget_tokens: int = 0
     adaptive_drafted_tokens: int = 0
     adaptive_admitted_tokens: int = 0
@@ -98,6 +102,43 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_prompt_rows_hits: int = 0
+    prefix_cache_blocks: int = 0  # blocks the cache holds now
+    prefix_cache_prompt_rows_bytes: int = 0  # cached prompt-logprob rows, bytes now
+
+    def as_dict(self) -> dict:
+        """`LLM.stats()`: the fields, with the ratios derived from them."""
+        out = {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            # Tokens emitted per verify step: the accepted drafts plus the one recovered/bonus token.
+            "mean_acceptance_length": 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0,
+            "num_preemptions": self.num_preemptions,
+            "num_steps": self.num_steps,
+            "kv_blocks_total": self.kv_blocks_total,
+            "kv_blocks_free": self.kv_blocks_free,
+            "kv_cache_usage": 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0,
+            "prefix_cache_prompt_rows_hits": self.prefix_cache_prompt_rows_hits,
+            "prefix_cache_blocks": self.prefix_cache_blocks,
+            "prefix_cache_prompt_rows_bytes": self.prefix_cache_prompt_rows_bytes,
+        }
+        if self.adaptive_capacity_histogram:  # adaptive verification is on
+            steps = self.adaptive_steps
+            out["adaptive"] = {
+                "num_steps": steps,
+                "budget_total": self.adaptive_budget_tokens,
+                "drafted_total": self.adaptive_drafted_tokens,
+                "admitted_total": self.adaptive_admitted_tokens,
+                "mean_admitted_per_step": self.adaptive_admitted_tokens / steps if steps else 0.0,
+                "capacity_histogram": list(self.adaptive_capacity_histogram),
+            }
+        return out
 
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):

@@ -39,7 +39,8 @@ logger = logging.getLogger("verispec.dp")
 # The engine's stats that describe the present (summed over live replicas only: a dead replica
 # holds no requests and no blocks). Every other field is a counter, summed over all replicas with
 # a dead one's last values kept, so totals never go down.
-GAUGE_STATS = frozenset({"num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free"})
+GAUGE_STATS = frozenset({"num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "prefix_cache_blocks",
+                         "prefix_cache_prompt_rows_bytes"})
 
 _UNSALTED_ROOT = b"verispec-dp-unsalted"
 

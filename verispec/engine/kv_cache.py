@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from verispec.models.attention import new_layer_cache
 from verispec.models.config import ModelConfig
 
 
@@ -155,14 +154,3 @@ class BlockPool:
         del self.cached[h]
         if self.on_evict is not None:
             self.on_evict(h)
-
-
-class KVCacheTensors:
-    """One `LayerCache` (k, v) per layer: [num_blocks, block_size, kv_heads, head_dim] each, the
-    keys transposed within a block where the CPU attention kernel runs."""
-
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device, num_layers=None):
-        n = cfg.num_layers if num_layers is None else num_layers
-        self.layers = [
-            new_layer_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device) for _ in range(n)
-        ]

@@ -4,34 +4,35 @@ from __future__ import annotations
 
 import logging
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from verispec.config import EngineConfig
-from verispec.distributed.comm import WorkerDiedError
 from verispec.distributed.executor import TensorParallel, build_model, rank_threads
 from verispec.distributed.sharding import max_kv_heads_per_rank
 from verispec.engine.kv_cache import BlockPool, bytes_per_block
+from verispec.engine.core_protocol import EngineStats
+from verispec.engine.isolation import execute_isolating_failures
 from verispec.engine.output_processor import OutputProcessor
 from verispec.engine.prefix_cache import PrefixCache
-from verispec.engine.request import Request, RequestStatus
-from verispec.engine.runner import ModelRunner, StepResult
-from verispec.engine.scheduler import Scheduler, SchedulerOutput
+from verispec.engine.runner import ModelRunner
+from verispec.engine.scheduler import Scheduler
 from verispec.engine.startup import RuntimeInfo, StartupLog
-from verispec.models.default import default_model_path
+from verispec.engine.step import SchedulerOutput
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.cpu_kernels import kernel_build
+from verispec.models.default import default_model_path
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
 from verispec.outputs import RequestOutput
-from verispec.sample.grammar import GrammarCompiler, GrammarFailed
+from verispec.request import Request, RequestStatus
+from verispec.sample.grammar import GrammarCompiler
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel
-from verispec.spec_decode.drafter import make_drafter
 from verispec.spec_decode.metrics import SpecDecodeMetrics
+from verispec.spec_decode.registry import make_drafter
 from verispec.tokenization import text_encoder
 
 logger = logging.getLogger("verispec")
@@ -115,13 +116,15 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.pool, engine_key, config.enable_prefix_caching,
                                         config.prompt_logprobs_cache_bytes)
         self.drafter = make_drafter(spec, self.model, self.tokenizer, config) if spec else None
-        adaptive = self._adaptive_controller(config) if spec is not None and spec.adaptive_verification else None
+        # Adaptive verification: the scheduler plans each step's drafts with it, the engine feeds
+        # it each step's measured cost.
+        self.adaptive = self._adaptive_controller(config) if spec is not None and spec.adaptive_verification else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0), adaptive,
+                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0), self.adaptive,
                                    self.prefix_cache)
         # Model drafters draft inside the step, before the verify forward; prompt lookup drafts after it.
         in_step = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
-        self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step, adaptive=adaptive)
+        self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step)
         with self.startup.phase("compile"):
             warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
         self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None)
@@ -293,9 +296,10 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         self.num_steps += 1
-        result, failed = self._execute(sched)
+        result, failed = execute_isolating_failures(self.runner, sched)
         errored = self._fail_requests(sched, failed)
-        emitted = self.scheduler.update_from_output(sched, result, self.output, skip=errored)
+        emitted = self.output.process_step(sched, result, skip=errored)
+        self.scheduler.update_from_output(sched, result, skip=errored)
         for req in emitted:  # a grammar that refused a token fails its request now, not its next step
             if req.grammar is not None and not req.is_finished and (error := req.grammar.error()):
                 logger.warning("request %s failed: %s", req.request_id, error)
@@ -303,21 +307,12 @@ class LLMEngine:
                 errored.add(req.request_id)
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, self.max_model_len)
-        if self.runner.adaptive is not None and not failed:
+        if self.adaptive is not None and not failed:
             # The step's real cost, for the budget's cost model (drafts as trimmed by the plan).
-            self.runner.adaptive.cost.observe(sched.num_tokens, time.perf_counter() - start)
+            self.adaptive.cost.observe(sched.num_tokens, time.perf_counter() - start)
         changed = errored | {r.request_id for r in emitted}
         parents = [self._child_parent[s.request.request_id] for s in sched.scheduled if s.request.request_id in changed]
         return [self._parent_output(pid) for pid in dict.fromkeys(parents)]
-
-    def _execute(self, sched: SchedulerOutput) -> tuple[StepResult, dict[str, tuple[str, str]]]:
-        """The step's results, and the requests that failed (id -> (error, kind)) when the batch raised."""
-        try:
-            return self.runner.execute(sched), {}
-        except WorkerDiedError:  # the tensor-parallel group is gone: nothing to retry on
-            raise
-        except Exception as exc:  # noqa: BLE001 - isolated below; one request must not sink the batch
-            return self._execute_isolated(sched, exc)
 
     def _fail_requests(self, sched: SchedulerOutput, failed: dict[str, tuple[str, str]]) -> set[str]:
         """Fails each request that raised, with its siblings (n > 1); returns the ids of every
@@ -327,33 +322,6 @@ class LLMEngine:
                 self._fail(s.request, *failed[s.request.request_id])
         return {s.request.request_id for s in sched.scheduled
                 if self._parents[self._child_parent[s.request.request_id]].error is not None}
-
-    def _execute_isolated(self, sched: SchedulerOutput, exc: Exception) -> tuple[StepResult, dict[str, tuple[str, str]]]:
-        """The batch's step raised. Runs each scheduled request alone to find the one(s) at fault:
-        those fail, the rest get this step's results from their solo runs and carry on."""
-        logger.warning("engine step failed (%s: %s); retrying its %d requests one by one",
-                       type(exc).__name__, exc, len(sched.scheduled))
-        merged, failed = StepResult(), {}
-        for s in sched.scheduled:
-            rid = s.request.request_id
-            if len(sched.scheduled) == 1:
-                part_exc: Exception | None = exc
-            else:
-                try:
-                    part = self.runner.execute(SchedulerOutput([s]))
-                    part_exc = None
-                except Exception as e:  # noqa: BLE001
-                    part_exc = e
-            if isinstance(part_exc, GrammarFailed):  # the client's grammar hit a limit: no bug to trace
-                logger.warning("request %s failed: %s", rid, part_exc)
-                failed[rid] = (str(part_exc), "invalid")
-            elif part_exc is not None:
-                logger.error("request %s failed: %s", rid, "".join(traceback.format_exception(part_exc)))
-                failed[rid] = (f"{type(part_exc).__name__}: {part_exc}", "internal")
-            if part_exc is not None:
-                continue
-            merged.update(part)
-        return merged, failed
 
     def _fail(self, req: Request, message: str, kind: str = "internal") -> None:
         """A request that raised inside the engine: it and its siblings (n > 1) finish with an error."""
@@ -383,15 +351,31 @@ class LLMEngine:
             error_kind=parent.error_kind if parent.error is not None else None,
         )
 
+    def engine_stats(self) -> EngineStats:
+        """The engine's counters and gauges, the one place they are gathered."""
+        m, adaptive, cache = self.spec_metrics, self.adaptive.stats if self.adaptive is not None else None, self.prefix_cache
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_drafts=m.num_drafts,
+            num_draft_tokens=m.num_draft_tokens,
+            num_accepted_tokens=m.num_accepted_tokens,
+            accepted_per_position=list(m.accepted_per_position),
+            adaptive_steps=adaptive.num_steps if adaptive else 0,
+            adaptive_budget_tokens=adaptive.budget_total if adaptive else 0,
+            adaptive_drafted_tokens=adaptive.drafted_total if adaptive else 0,
+            adaptive_admitted_tokens=adaptive.admitted_total if adaptive else 0,
+            adaptive_capacity_histogram=list(adaptive.capacity_histogram) if adaptive else [],
+            prefix_cache_queries=cache.num_queries,
+            prefix_cache_hits=cache.num_hits,
+            prefix_cache_prompt_rows_hits=cache.num_prompt_rows_hit,
+            prefix_cache_blocks=self.pool.num_cached_blocks,
+            prefix_cache_prompt_rows_bytes=cache.rows.num_bytes,
+        )
+
     def stats(self) -> dict:
-        return {
-            **self.spec_metrics.as_dict(),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_free": self.pool.num_free_blocks,
-            "kv_cache_usage": self.pool.usage,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            **self.prefix_cache.stats(),
-            **({"adaptive": self.runner.adaptive.stats.as_dict()} if self.runner.adaptive is not None else {}),
-        }
+        return self.engine_stats().as_dict()

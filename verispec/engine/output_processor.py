@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers.decoders import DecodeStream
 
-from verispec.engine.request import Request, RequestStatus
+from verispec.request import Request, RequestStatus
 from verispec.outputs import CompletionOutput, Logprob, LogprobsLists
+
+if TYPE_CHECKING:
+    from verispec.engine.step import SchedulerOutput, StepResult
 
 
 @dataclass(slots=True)
@@ -73,6 +77,30 @@ class OutputProcessor:
                     entry[tok] = Logprob(float(vals[j]), None if custom else j, self.token_text(tok))
             out.append(entry)
         return out
+
+    # ------------------------------------------------------------------ one step
+    def process_step(self, sched: "SchedulerOutput", result: "StepResult", skip: set[str] = frozenset()) -> list[Request]:
+        """Appends one step's prompt logprobs and tokens to its requests (except those in `skip`),
+        checks stops and advances each request's grammar. Returns the requests that emitted tokens."""
+        emitted = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.request_id in skip:
+                continue
+            if s.cached_prompt_rows is not None:
+                self.append_prompt_logprobs(req, *s.cached_prompt_rows)
+            record = result.get(req.request_id)
+            if record is None:
+                continue
+            if record.prompt_logprobs is not None:
+                self.append_prompt_logprobs(req, *record.prompt_logprobs)
+            if record.sampled:
+                before = req.num_tokens
+                self.append_tokens(req, record.sampled, record.logprobs)
+                if req.grammar is not None:
+                    req.grammar.advance(req.token_ids[before:])
+                emitted.append(req)
+        return emitted
 
     # ------------------------------------------------------------------ tokens
     def append_tokens(self, req: Request, tokens: list[int], lists: LogprobsLists | None) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verispec.engine.kv_cache import BlockPool
-from verispec.engine.request import Request
+from verispec.request import Request
 from verispec.outputs import LogprobsLists
 from verispec.sample.prompt_logprobs import prompt_rows_key
 

@@ -1,7 +1,7 @@
 """The model runner: flat batch in, sampled tokens and logprobs out, with one D2H copy per step.
 
-One step (docs/design.md, "One step"): the adaptive plan trims the drafts and a model drafter
-fills them in; the host builds the flat batch and the step's `SpecDecodeMetadata`; one forward;
+One step (docs/design.md, "One step"): a model drafter fills in the drafts the scheduler kept
+(its adaptive plan, if any, rides in the `SchedulerOutput`); the host builds the flat batch and the step's `SpecDecodeMetadata`; one forward;
 prompt rows are scored and every sampled row is verified (zero drafts: plain sampling); then
 everything is copied to the host at once, with a single synchronisation.
 """
@@ -9,20 +9,21 @@ everything is copied to the host at once, with a single synchronisation.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from verispec.config import EngineConfig
 from verispec.device_copy import to_device
 from verispec.engine.kv_cache import BlockPool
-from verispec.engine.request import Request
-from verispec.engine.scheduler import ScheduledRequest, SchedulerOutput
+from verispec.request import Request
+from verispec.engine.step import ScheduledRequest, SchedulerOutput, StepResult
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
-from verispec.outputs import LogprobsLists, LogprobsTensors
+from verispec.outputs import LogprobsTensors
 from verispec.sample.metadata import RowSpec
 from verispec.sample.prompt_logprobs import score_prompt_rows
+from verispec.spec_decode.drafter import DraftInputs
 from verispec.spec_decode.metadata import SpecDecodeMetadata
 from verispec.spec_decode.verify import SampleOutput, verify
 
@@ -30,26 +31,6 @@ from verispec.spec_decode.verify import SampleOutput, verify
 def _contains_run(ids: list[int], run: list[int]) -> bool:
     n = len(run)
     return any(ids[i : i + n] == run for i, t in enumerate(ids) if t == run[0])
-
-
-@dataclass(slots=True)
-class StepResult:
-    """Host-side results of one step, keyed by request id."""
-
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    # Per request: its logprob rows (one per emitted token), already on the host.
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    # Per request: (first prompt position scored, rows predicting the following prompt tokens).
-    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] = field(default_factory=dict)
-    # Per request that carried drafts: how many were verified and accepted, and (adaptive
-    # verification with a model drafter) q's peak at each draft.
-    num_verified: dict[str, int] = field(default_factory=dict)
-    num_accepted: dict[str, int] = field(default_factory=dict)
-    draft_confidence: dict[str, list[float]] = field(default_factory=dict)
-
-    def update(self, other: "StepResult") -> None:
-        for f in fields(self):
-            getattr(self, f.name).update(getattr(other, f.name))
 
 
 @dataclass(slots=True)
@@ -73,7 +54,7 @@ class FlatBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, config: EngineConfig, pool: BlockPool, drafter=None, adaptive=None):
+    def __init__(self, model: LlamaModel, config: EngineConfig, pool: BlockPool, drafter=None):
         self.model = model
         self.config = config
         self.device = config.device
@@ -81,7 +62,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.kv = model.new_kv_cache(pool.num_blocks, pool.block_size)
         self.drafter = drafter  # a model-based drafter drafts inside the step, before the verify forward
-        self.adaptive = adaptive  # AdaptiveController when speculative_config["adaptive_verification"]
+        self.draft_inputs = DraftInputs(model, self.kv.layers, pool.table, pool.block_size, pool.num_blocks,
+                                        self.vocab_size, self.device)
         spec = config.speculative
         self.max_verify_rows = spec.max_verify_rows_per_chunk if spec is not None else None
         # Test hook for crash isolation: a step whose batch feeds this run of token ids raises, as
@@ -92,13 +74,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        # Drafts: the adaptive plan trims them to this step's budget; a model drafter makes them.
-        plan = self.adaptive.plan(sched.scheduled, self.device) if self.adaptive is not None else None
-        drafts = self.drafter.draft(self, sched.scheduled) if self.drafter is not None else {}
+        """The step's results. Reads `sched` and never changes it: running it again (the engine's
+        crash isolation does) computes the same step."""
+        drafts = self.drafter.draft(self.draft_inputs, sched.scheduled) if self.drafter is not None else {}
         batch = self.build_batch(sched)
         spec = None
         if batch.sampled:
-            spec = SpecDecodeMetadata.build(batch.sampled, batch.first_sample_rows, drafts, plan,
+            spec = SpecDecodeMetadata.build(batch.sampled, batch.first_sample_rows, drafts, sched.plan,
                                             self.vocab_size, self.device)
         hidden = self._forward(batch, spec)
         prompt_jobs = self._score_prompts(batch, hidden)
@@ -144,7 +126,7 @@ class ModelRunner:
         positions = to_device(batch.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, positions, meta, self.kv.layers)
         if self.drafter is not None:  # keeps the drafter's cache in step with the target's
-            self.drafter.observe(self, input_ids, positions, meta)
+            self.drafter.observe(self.draft_inputs, input_ids, positions, meta)
         return hidden
 
     def _score_prompts(self, batch: FlatBatch, hidden: torch.Tensor) -> list[tuple[Request, int, LogprobsTensors]]:
@@ -164,7 +146,7 @@ class ModelRunner:
         """After the synchronisation: each request's tokens, logprob rows and drafts' outcome."""
         result = StepResult()
         for req, lo, t in prompts:
-            result.prompt_logprobs[req.request_id] = (lo, t.tolists())
+            result.of(req.request_id).prompt_logprobs = (lo, t.tolists())
         if out is None:
             return result
         sampled, num_sampled = out.sampled.tolist(), out.num_sampled.tolist()
@@ -172,12 +154,12 @@ class ModelRunner:
         confidence = out.draft_confidence.tolist() if out.draft_confidence is not None else None
         lists = out.logprobs.tolists() if out.logprobs is not None else None
         for i, req in enumerate(spec.requests):
-            rid, n, d = req.request_id, num_sampled[i], spec.num_draft_tokens[i]
-            result.sampled[rid] = sampled[i][:n]
+            record, n, d = result.of(req.request_id), num_sampled[i], spec.num_draft_tokens[i]
+            record.sampled = sampled[i][:n]
             if d:
-                result.num_verified[rid], result.num_accepted[rid] = verified[i], n - 1
+                record.num_verified, record.num_accepted = verified[i], n - 1
                 if confidence is not None:
-                    result.draft_confidence[rid] = confidence[i][:d]
+                    record.draft_confidence = confidence[i][:d]
             if lists is not None and req.logprobs is not None:  # the request keeps logprobs
-                result.logprobs[rid] = lists.slice_request(i, n)
+                record.logprobs = lists.slice_request(i, n)
         return result

@@ -20,46 +20,17 @@ sequence (a fair-share preemption), if it holds more than its share.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from verispec.engine.kv_cache import BlockPool
 from verispec.engine.prefix_cache import PrefixCache
-from verispec.engine.request import Request, RequestStatus
+from verispec.request import Request, RequestStatus
+from verispec.engine.step import ScheduledRequest, SchedulerOutput, StepResult
 from verispec.engine.waiting import WaitingQueue
 from verispec.spec_decode.metrics import SpecDecodeMetrics
 
-if TYPE_CHECKING:  # the runner imports this module
-    from verispec.engine.output_processor import OutputProcessor
-    from verispec.engine.runner import StepResult
-    from verispec.outputs import LogprobsLists
+if TYPE_CHECKING:
     from verispec.spec_decode.adaptive import AdaptiveController
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # known tokens fed to the model this step (chunk, or 1 decode token)
-    # True when this step reaches the end of the request's known tokens: its last row is sampled.
-    samples: bool
-    # Draft tokens fed after the known ones, to be verified in this same forward.
-    draft_token_ids: list[int] = field(default_factory=list)
-    # (first position, rows): prompt logprobs of the positions a prefix hit skipped, from the cache.
-    cached_prompt_rows: "tuple[int, LogprobsLists] | None" = None
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return self.num_new_tokens + len(self.draft_token_ids)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -74,7 +45,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.spec_metrics = spec_metrics if spec_metrics is not None else SpecDecodeMetrics(0)
-        self.adaptive = adaptive  # learns from each verified outcome
+        self.adaptive = adaptive  # decides each step's drafts, and learns from their outcome
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -103,6 +74,11 @@ class Scheduler:
             i += 1
         if len(out.preempted) == num_fair:  # a short pool admits nobody new this step
             self._admit(out, budget, running)
+        if self.adaptive is not None:
+            # The step's one draft decision: the plan trims each entry's drafts to the ones worth
+            # verifying. Blocks were allocated for all of them; what the trim and the rejections
+            # leave unused goes back after the step (update_from_output).
+            out.plan = self.adaptive.plan(out.scheduled)
         return out
 
     def _preempt_for_starved(self, out: SchedulerOutput, running: Counter[str]) -> None:
@@ -182,47 +158,32 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, sched: SchedulerOutput, result: "StepResult", output: "OutputProcessor",
-                           skip: set[str] = frozenset()) -> list[Request]:
-        """Applies one step's results to its requests (except those in `skip`): the cache now holds
-        the new tokens and the accepted drafts, and blocks that held only rejected drafts go back;
-        the counters and the adaptive controller learn the drafts' outcome; prompt logprobs and
-        sampled tokens are appended (and followed by the request's grammar); filled blocks and
-        scored prompt rows are cached; finished requests leave. Returns the requests that
-        emitted tokens."""
-        emitted = []
+    def update_from_output(self, sched: SchedulerOutput, result: StepResult, skip: set[str] = frozenset()) -> None:
+        """Applies one step's progress to its requests (except those in `skip`), once the output
+        processor has appended their tokens: the cache now holds the new tokens and the accepted
+        drafts, and blocks that held only rejected drafts go back; the counters and the adaptive
+        controller learn the drafts' outcome; filled blocks and scored prompt rows are cached;
+        finished requests leave."""
         for s in sched.scheduled:
             req = s.request
             if req.request_id in skip:
                 continue
+            record = result.get(req.request_id)
             req.num_computed_tokens += s.num_new_tokens
             if s.draft_token_ids:
-                verified, accepted = result.num_verified[req.request_id], result.num_accepted[req.request_id]
+                verified, accepted = record.num_verified, record.num_accepted
                 self.spec_metrics.observe(verified, accepted)
                 if self.adaptive is not None:
-                    self.adaptive.observe(req, verified, accepted, result.draft_confidence.get(req.request_id))
+                    self.adaptive.observe(req, verified, accepted, record.draft_confidence)
                 req.num_computed_tokens += accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
             req.draft_token_ids = []
-            if s.cached_prompt_rows is not None:
-                output.append_prompt_logprobs(req, *s.cached_prompt_rows)
-            prompt_rows = result.prompt_logprobs.get(req.request_id)
-            if prompt_rows is not None:
-                output.append_prompt_logprobs(req, *prompt_rows)
-            tokens = result.sampled.get(req.request_id)
-            if tokens:
-                before = req.num_tokens
-                output.append_tokens(req, tokens, result.logprobs.get(req.request_id))
-                if req.grammar is not None:
-                    req.grammar.advance(req.token_ids[before:])
-                emitted.append(req)
             # After the tokens: accepted drafts are computed, and now in token_ids too.
             self.prefix_cache.cache_computed(req)
-            if prompt_rows is not None:
-                self.prefix_cache.cache_prompt_rows(req, *prompt_rows)
+            if record is not None and record.prompt_logprobs is not None:
+                self.prefix_cache.cache_prompt_rows(req, *record.prompt_logprobs)
             if req.is_finished:
                 self.finish(req)
-        return emitted
 
     def finish(self, req: Request) -> None:
         """Removes a finished or aborted request and returns its blocks."""

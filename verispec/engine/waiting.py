@@ -22,7 +22,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 
-from verispec.engine.request import Request
+from verispec.request import Request
 
 
 class WaitingQueue:

@@ -145,6 +145,15 @@ def new_layer_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: i
                       transposed)
 
 
+class KVCacheTensors:
+    """One `LayerCache` (k, v) per layer: [num_blocks, block_size, kv_heads, head_dim] each, the
+    keys transposed within a block where the CPU attention kernel runs."""
+
+    def __init__(self, cfg, num_blocks: int, block_size: int, dtype, device):
+        self.layers = [new_layer_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+                       for _ in range(cfg.num_layers)]
+
+
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask -> additive float mask, once per step (SDPA would convert it in every layer)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))

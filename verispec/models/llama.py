@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.models.attention import AttentionMetadata, attention, attention_context
+from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.linear import make_linear, step_rows
@@ -199,6 +199,4 @@ class LlamaModel(nn.Module):
 
     def new_kv_cache(self, num_blocks: int, block_size: int):
         """Cache tensors for this model (this rank's KV heads under tensor parallelism)."""
-        from verispec.engine.kv_cache import KVCacheTensors
-
         return KVCacheTensors(self.cfg, num_blocks, block_size, self.dtype, self.embed.device)

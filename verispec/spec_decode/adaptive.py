@@ -210,15 +210,17 @@ class AdaptivePlan:
     """A model drafter's step plan: the budget B, and what the device scores slots with."""
 
     budget: int
-    # (q-peak bucket edges, [greedy/random, bucket] acceptance table): the device-side scores.
-    calibration: tuple[torch.Tensor, torch.Tensor]
+    # [greedy/random][q-peak bucket] acceptance rates, a copy taken when the step was planned:
+    # the device scores the slots with it (Q_BUCKET_EDGES are the buckets' left edges).
+    calibration: list[list[float]]
 
     def survival(self, reqs, num_drafts: list[int], confidence: list[torch.Tensor | None],
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """[R, K] survival scores on the device (-inf past each request's drafts), and the raw q
         peaks [R, K] (zeros past the drafts), which go back to the host."""
         k = max(num_drafts)
-        edges, table = self.calibration
+        edges = to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device)
+        table = to_device(self.calibration, dtype=torch.float32, device=device)
         raw = torch.zeros(len(reqs), k, device=device)
         for i, c in enumerate(confidence):
             if c is not None:
@@ -284,11 +286,12 @@ class AdaptiveController:
         return list(np.cumprod(history.confidence[:num_drafts]))
 
     # ------------------------------------------------------------------ the plan
-    def plan(self, scheduled, device: torch.device) -> AdaptivePlan | None:
-        """Picks this step's budget B and trims each request's drafts to the forward's share. The
-        plan for the device, or None when it has nothing to admit: no request drafts, or the
-        host's scores are this step's own (ngram), so the trim keeps exactly the B best slots and
-        every draft left is verified."""
+    def plan(self, scheduled) -> AdaptivePlan | None:
+        """Picks this step's budget B and trims each scheduled request's drafts to the forward's
+        share (the scheduler calls it once per step, on its own entries). The plan for the
+        device, or None when it has nothing to admit: no request drafts, or the host's scores are
+        this step's own (ngram), so the trim keeps exactly the B best slots and every draft left
+        is verified. Host values only: it never waits for the device."""
         drafting = [s for s in scheduled if s.draft_token_ids]
         if not drafting:
             return None
@@ -305,8 +308,7 @@ class AdaptiveController:
         self.stats.drafted_total += keep
         if self.exact_host_scores:
             return None
-        return AdaptivePlan(budget, (to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device),
-                                     to_device(self.calibration, dtype=torch.float32, device=device)))
+        return AdaptivePlan(budget, [list(row) for row in self.calibration])
 
     # ------------------------------------------------------------------ after the step
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from verispec.config import SpeculativeConfig
-from verispec.engine.kv_cache import KVCacheTensors
 from verispec.distributed.executor import build_model
+from verispec.models.attention import KVCacheTensors
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
-from verispec.spec_decode.drafter import ModelDrafter
+from verispec.spec_decode.drafter import DraftInputs, ModelDrafter
 
 
 class DraftModelDrafter(ModelDrafter):
@@ -38,12 +38,12 @@ class DraftModelDrafter(ModelDrafter):
                                  engine_config.device, getattr(target, "tp", None))
         self.kv: KVCacheTensors | None = None
 
-    def model_and_cache(self, runner):
+    def model_and_cache(self, inputs: DraftInputs):
         if self.kv is None:
-            self.kv = self.model.new_kv_cache(runner.pool.num_blocks, runner.pool.block_size)
+            self.kv = self.model.new_kv_cache(inputs.num_blocks, inputs.block_size)
         return self.model, self.kv.layers
 
     @torch.inference_mode()
-    def observe(self, runner, input_ids, positions, meta) -> None:
-        model, kv_layers = self.model_and_cache(runner)
+    def observe(self, inputs: DraftInputs, input_ids, positions, meta) -> None:
+        model, kv_layers = self.model_and_cache(inputs)
         model(input_ids, positions, meta, kv_layers)

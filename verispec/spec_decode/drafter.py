@@ -9,17 +9,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.device_copy import to_device
-from verispec.engine.request import Request
-from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.attention import LayerCache, SeqSpan, build_attention_metadata
+from verispec.models.llama import LlamaModel
+from verispec.request import Request
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.sampler import sample
 from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts
 from verispec.spec_decode.ngram import propose_ngram
+
+
+@dataclass(frozen=True, slots=True)
+class DraftInputs:
+    """What a model drafter reads of the engine, given to it explicitly by the runner."""
+
+    target: LlamaModel
+    target_kv: list[LayerCache]  # the target's cache, one entry per layer
+    block_table: Callable[[str], list[int]]  # request id -> its blocks (shared by every cache)
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    device: torch.device
 
 
 def needs_token_values(req: Request) -> bool:
@@ -70,20 +87,21 @@ class ModelDrafter:
             if room:
                 req.draft_token_ids = [PLACEHOLDER] * room  # drafted inside the next step
 
-    def model_and_cache(self, runner):
+    def model_and_cache(self, inputs: DraftInputs) -> tuple[LlamaModel, list[LayerCache]]:
         raise NotImplementedError
 
-    def observe(self, runner, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
+    def observe(self, inputs: DraftInputs, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> None:
         """Called with the target's flat batch after its forward; keeps the drafter's cache in step."""
 
     @torch.inference_mode()
-    def draft(self, runner, scheduled) -> dict[str, ModelDrafts]:
-        """Drafts for the scheduled requests' placeholders, by request id."""
+    def draft(self, inputs: DraftInputs, scheduled) -> dict[str, ModelDrafts]:
+        """Drafts for the placeholders of the scheduled requests (the step's `ScheduledRequest`s),
+        by request id."""
         jobs = [s for s in scheduled if s.draft_token_ids]
         if not jobs:
             return {}
-        model, kv_layers = self.model_and_cache(runner)
-        pool, dev = runner.pool, runner.device
+        model, kv_layers = self.model_and_cache(inputs)
+        dev = inputs.device
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
         confidence: list[list[torch.Tensor]] = [[] for _ in jobs]
@@ -98,12 +116,12 @@ class ModelDrafter:
                 req = jobs[i].request
                 pos = req.num_computed_tokens + j
                 positions.append(pos)
-                spans.append(SeqSpan(row, 1, pos + 1, pool.table(req.request_id)))
-            meta = build_attention_metadata(spans, pool.block_size, dev, model.dtype)
+                spans.append(SeqSpan(row, 1, pos + 1, inputs.block_table(req.request_id)))
+            meta = build_attention_metadata(spans, inputs.block_size, dev, model.dtype)
             index = to_device(active, dtype=torch.long, device=dev)
             hidden = model(last[index], to_device(positions, device=dev), meta, kv_layers, self.num_layers)
             rows = [RowSpec.for_request(jobs[i].request, drafts[i], purpose="draft") for i in active]
-            md = SamplingMetadata.build(rows, runner.vocab_size, dev)
+            md = SamplingMetadata.build(rows, inputs.vocab_size, dev)
             processed = apply_processors(model.compute_logits(hidden), md)
             tokens = sample(processed, md)
             q = processed.softmax(dim=-1)
@@ -125,15 +143,3 @@ class ModelDrafter:
         return {s.request.request_id: ModelDrafts(host_ids=d, token_ids=torch.stack(t), probs=torch.stack(q),
                                                   confidence=torch.stack(c))
                 for s, d, q, t, c in zip(jobs, drafts, probs, device_drafts, confidence)}
-
-
-def make_drafter(cfg: SpeculativeConfig, target, target_tokenizer, engine_config):
-    if cfg.method == "ngram":
-        return NgramDrafter(cfg)
-    if cfg.method == "layer_skip":
-        from verispec.spec_decode.layer_skip import LayerSkipDrafter
-
-        return LayerSkipDrafter(cfg, target.cfg.num_layers)
-    from verispec.spec_decode.draft_model import DraftModelDrafter
-
-    return DraftModelDrafter(cfg, target, target_tokenizer, engine_config)

@@ -9,7 +9,7 @@ temperature, top-k, top-p) with its `draft` stream, and q goes to verification.
 from __future__ import annotations
 
 from verispec.config import SpeculativeConfig
-from verispec.spec_decode.drafter import ModelDrafter
+from verispec.spec_decode.drafter import DraftInputs, ModelDrafter
 
 
 class LayerSkipDrafter(ModelDrafter):
@@ -21,5 +21,5 @@ class LayerSkipDrafter(ModelDrafter):
             )
         self.num_layers = cfg.num_layers
 
-    def model_and_cache(self, runner):
-        return runner.model, runner.kv.layers
+    def model_and_cache(self, inputs: DraftInputs):
+        return inputs.target, inputs.target_kv

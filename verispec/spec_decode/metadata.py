@@ -24,8 +24,8 @@ from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.spec_decode.rejection import RowDraws
 
 if TYPE_CHECKING:
-    from verispec.engine.request import Request
-    from verispec.engine.scheduler import ScheduledRequest
+    from verispec.request import Request
+    from verispec.engine.step import ScheduledRequest
     from verispec.spec_decode.adaptive import AdaptivePlan
 
 # A draft whose value only the device knows. Not a token id: fed to the model unreplaced, it fails.

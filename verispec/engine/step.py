@@ -1,0 +1,94 @@
+"""One step's inputs and outputs: what the scheduler decided, and what the runner computed.
+
+The scheduler builds a `SchedulerOutput` (which requests run, how many known tokens each feeds,
+which drafts each verifies, and the adaptive plan for the device) and never changes it after
+`schedule` returns. The runner reads it and returns a `StepResult`: one `RequestResult` per
+request that produced something. The engine hands the result to the output processor (tokens,
+logprobs, stops) and then back to the scheduler (cache progress, rollback, finishing).
+
+This module imports no engine component, so the scheduler, the runner and the engine all import
+it and nothing imports back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verispec.request import Request
+    from verispec.outputs import LogprobsLists
+    from verispec.spec_decode.adaptive import AdaptivePlan
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: "Request"
+    num_new_tokens: int  # known tokens fed to the model this step (chunk, or 1 decode token)
+    # True when this step reaches the end of the request's known tokens: its last row is sampled.
+    samples: bool
+    # Draft tokens fed after the known ones, to be verified in this same forward (already trimmed
+    # by the adaptive plan: every one of them runs through the forward).
+    draft_token_ids: list[int] = field(default_factory=list)
+    # (first position, rows): prompt logprobs of the positions a prefix hit skipped, from the cache.
+    cached_prompt_rows: "tuple[int, LogprobsLists] | None" = None
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_new_tokens + len(self.draft_token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    # Adaptive verification with a model drafter: how many drafts the device admits, and its
+    # calibration table. None: every scheduled draft is verified.
+    plan: "AdaptivePlan | None" = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    def only(self, entry: ScheduledRequest) -> "SchedulerOutput":
+        """The step cut down to one of its requests (crash isolation): the plan's budget capped at
+        that request's drafts, so the device admits at most what it has."""
+        plan = self.plan
+        if plan is not None:
+            plan = replace(plan, budget=min(plan.budget, len(entry.draft_token_ids)))
+        return SchedulerOutput([entry], plan=plan)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one step produced for one request, on the host."""
+
+    sampled: list[int] = field(default_factory=list)  # emitted tokens: accepted drafts, then one more
+    logprobs: "LogprobsLists | None" = None  # one row per emitted token, when the request asked
+    # (first prompt position scored, rows predicting the following prompt tokens)
+    prompt_logprobs: "tuple[int, LogprobsLists] | None" = None
+    # Requests that carried drafts: how many were verified and accepted, and (adaptive
+    # verification with a model drafter) q's peak at each draft.
+    num_verified: int = 0
+    num_accepted: int = 0
+    draft_confidence: list[float] | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One step's results: a record per request id."""
+
+    requests: dict[str, RequestResult] = field(default_factory=dict)
+
+    def of(self, request_id: str) -> RequestResult:
+        """The request's record, created empty on first use."""
+        record = self.requests.get(request_id)
+        if record is None:
+            record = self.requests[request_id] = RequestResult()
+        return record
+
+    def get(self, request_id: str) -> RequestResult | None:
+        return self.requests.get(request_id)
+
+    def update(self, other: "StepResult") -> None:
+        self.requests.update(other.requests)
