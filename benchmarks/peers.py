@@ -25,6 +25,7 @@ from benchmarks.llamacpp import LlamaCppSystem
 from benchmarks.prompts import Prompt
 from benchmarks.system import PEERS, PLAIN, SPEC, SPEC_K, Generation, PeerUnavailable, System
 from benchmarks.tiers import EXACT, TIERS, Tier, resolved_precision
+from verispec import envs
 
 # ------------------------------------------------------------------------------- verispec
 class VerispecSystem:
@@ -95,9 +96,7 @@ class VerispecSystem:
 # ------------------------------------------------------------------------------------- HF
 def _cache_root() -> Path:
     # The same place verispec caches its converted tokenizer (verispec.models.loader).
-    root = os.environ.get("VERISPEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec")
-    return Path(root)
+    return Path(envs.cache_root())
 
 
 def load_hf_model(model_path: str) -> Any:

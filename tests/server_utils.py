@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import requests
 
@@ -22,16 +23,19 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 300.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, fault_tokens: list[int] | None = None):
+        """`fault_tokens`: the server runs with tests/faults.py's model error on that run of ids."""
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="verispec-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "verispec.entrypoints.cli", "serve", "--port", str(self.port),
-               "--log-level", "warning", *args]
+        entry = [str(Path(__file__).with_name("faults.py"))] if fault_tokens else ["-m", "verispec.entrypoints.cli"]
+        cmd = [sys.executable, *entry, "serve", "--port", str(self.port), "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        if fault_tokens:
+            env["FAULT_TOKENS"] = ",".join(map(str, fault_tokens))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait(startup_timeout)
 

@@ -38,3 +38,27 @@ def test_bad_option_is_one_clear_line(capsys):
     assert main(["generate", "hi", "--temperature", "-1"]) == 2
     err = capsys.readouterr().err
     assert "temperature" in err and "Traceback" not in err
+
+
+def test_every_engine_option_is_a_flag_with_the_configs_own_default():
+    from verispec.config import user_options
+    from verispec.entrypoints.cli import build_parser, engine_options
+
+    parser = build_parser()
+    # Nothing given: nothing passed, so EngineConfig's defaults apply.
+    assert engine_options(parser.parse_args(["serve"])) == {"speculative_config": None}
+    given = parser.parse_args(["serve", "--max-num-seqs", "3", "--no-enable-prefix-caching", "-tp", "2",
+                               "--dtype", "float32"])
+    assert engine_options(given) == {"dtype": "float32", "max_num_seqs": 3, "enable_prefix_caching": False,
+                                     "tensor_parallel_size": 2, "speculative_config": None}
+    for command in ("generate", "serve", "bench"):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        flags = {f for action in sub._actions for f in action.option_strings}
+        assert {"--" + o.name.replace("_", "-") for o in user_options()} <= flags, command
+
+
+def test_an_unknown_engine_option_is_named():
+    from verispec import LLM
+
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['max_num_seq'\]"):
+        LLM(max_num_seq=3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import faults
 from conftest import assert_greedy_matches_hf, hf_greedy, hf_model, random_prompts
 from verispec import LLM, SamplingParams
 
@@ -189,7 +190,7 @@ def test_a_failing_request_does_not_sink_the_batch(tiny_llama, spec):
     llm = LLM(tiny_llama, max_num_batched_tokens=48, speculative_config=spec)
     clean = llm.generate([p for i, p in enumerate(prompts) if i != 2],
                          [q for i, q in enumerate(params[:5]) if i != 2], use_tqdm=False)
-    llm.engine.runner.fault_tokens = [poison]
+    faults.install(llm.engine.runner, [poison])
     outs = llm.generate(prompts[:2] + [bad] + prompts[3:], params[:5], use_tqdm=False)
     assert outs[2].error is not None and "injected fault" in outs[2].error
     assert outs[2].outputs[0].finish_reason == "abort"

@@ -34,8 +34,9 @@ def imports_of(path: Path, known: set[str], name: str) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
+            for a in node.names:  # `from pkg import module` depends on the module, not on pkg/__init__
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in known else node.module)
         for child in ast.iter_child_nodes(node):
             visit(child)
 

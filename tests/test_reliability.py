@@ -65,7 +65,7 @@ def pressured():
     srv = ServerProcess(
         *SPEC, "--max-model-len", "256", "--num-kv-blocks", str(PRESSURED_BLOCKS), "--max-num-seqs", "16",
         "--max-n", "2", "--max-pending-requests", "24", "--max-request-bytes", "65536", "--max-prompt-tokens", "200",
-        env={"VERISPEC_FAULT_INJECT_TOKENS": ",".join(map(str, POISON))},
+        fault_tokens=POISON,
     )
     yield srv
     srv.stop()

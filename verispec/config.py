@@ -7,9 +7,12 @@ never look at keyword arguments themselves, so a default lives in exactly one pl
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 import torch
+
+from verispec import envs
 
 
 class LogprobsMode(str, enum.Enum):
@@ -174,38 +177,61 @@ class GrammarLimits:
     max_grammar_size: int = 500_000
 
 
+def _option(default: Any = None, help: str = "", *, factory=None, type=None, choices=None, user_default=MISSING,
+            name: str | None = None, flags: tuple[str, ...] = ()):
+    """An EngineConfig field that users set: `LLM(name=...)` and `--name` on the command line.
+    `user_default` / `type`: the value as users write it, where it differs from the resolved one."""
+    meta = {"help": help, "type": type, "choices": choices, "user_default": user_default, "name": name, "flags": flags}
+    return field(default_factory=factory, metadata=meta) if factory is not None else field(default=default, metadata=meta)
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    """Resolved engine options. Built by `LLM` from its keyword arguments."""
+    """Resolved engine options. `LLM(**options)` and the command line's engine flags are derived
+    from the fields made with `_option` (`user_options()`): names, defaults and help live here."""
 
-    model: str | None = None
+    model: str | None = _option(None, "HF checkpoint dir or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+                                type=str)
     # None ("auto") until the engine resolves it from the checkpoint (loader.resolve_precision).
-    dtype: torch.dtype | None = None
-    quantization: str | None = None  # "gguf", "int4", "int8": weights stay packed (the fast tier)
-    device: torch.device = torch.device("cpu")
-    max_model_len: int | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    block_size: int = 16
+    dtype: torch.dtype | None = _option(
+        None, "auto: a GGUF file runs quantized in bfloat16 (the fast tier), an HF checkpoint in its own dtype; "
+        "float32 is the exact tier", type=str, choices=("auto", "float32", "bfloat16", "float16"), user_default="auto")
+    quantization: str | None = _option(
+        None, "weights stay packed: gguf keeps a GGUF file's blocks, int4/int8 round an HF checkpoint's "
+        "(default: gguf for a GGUF file under dtype auto)", type=str, choices=QUANTIZATIONS)
+    device: torch.device = _option(torch.device("cpu"), "cpu, cuda or auto", type=str, user_default="auto")
+    max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's context)",
+                                        type=int)
+    max_num_seqs: int = _option(DEFAULT_MAX_NUM_SEQS, "requests in the running batch at most")
+    max_num_batched_tokens: int = _option(DEFAULT_MAX_NUM_BATCHED_TOKENS, "tokens per engine step at most")
+    block_size: int = _option(16, "tokens per KV cache block")
     # Pool size: an explicit block count wins over a byte budget; with neither, the pool holds
     # max_num_seqs full-length sequences, capped by kv_cache_bytes' default below.
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    seed: int = 0
-    logprobs_mode: LogprobsMode = LogprobsMode.RAW_LOGPROBS
-    max_logprobs: int = 20
+    num_kv_blocks: int | None = _option(None, "KV cache pool size in blocks", type=int)
+    kv_cache_bytes: int | None = _option(None, "KV cache pool size in bytes", type=int)
+    seed: int = _option(0, "the seed of requests that give none")
+    logprobs_mode: LogprobsMode = _option(
+        LogprobsMode.RAW_LOGPROBS, "the scores logprobs report unless a request says otherwise", type=str,
+        choices=tuple(m.value for m in LogprobsMode), user_default=LogprobsMode.RAW_LOGPROBS.value)
+    max_logprobs: int = _option(20, "the most logprobs a request may ask for (-1: the whole vocabulary)")
     # Rows of logits processed at once when computing prompt logprobs; bounds peak memory.
     prompt_logprobs_chunk_rows: int = 32
-    num_threads: int | None = None
-    speculative: SpeculativeConfig | None = None
-    # True: never torch.compile the layer stack (also VERISPEC_COMPILE=0); see models/compile.py.
-    enforce_eager: bool = False
+    num_threads: int | None = _option(None, "torch threads of the engine (default: torch's)", type=int)
+    speculative: SpeculativeConfig | None = _option(
+        None, "speculative decoding as a dict (JSON on the command line), e.g. "
+        '{"method": "ngram", "num_speculative_tokens": 4}', type=str, name="speculative_config")
+    # True: never torch.compile the layer stack; VERISPEC_COMPILE=0 makes it the default (envs.py).
+    enforce_eager: bool = _option(help="do not compile the layer stack (faster start-up, slower steps)",
+                                  factory=lambda: not envs.compile_enabled())
     # Automatic prefix caching (engine/prefix_cache.py), and the memory its cached prompt-logprob
     # rows may take (0: cache KV only).
-    enable_prefix_caching: bool = True
-    prompt_logprobs_cache_bytes: int = 64 << 20
+    enable_prefix_caching: bool = _option(True, "reuse the KV (and prompt-logprob rows) of shared prompt prefixes")
+    prompt_logprobs_cache_bytes: int = _option(64 << 20, "memory for prompt-logprob rows cached beside prefix "
+                                                         "blocks (0: KV only)")
     # Ranks the model is sharded over (verispec/distributed, docs/scaling.md); 1: one process.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = _option(1, "ranks the model is sharded over. On one machine the engine starts "
+                                           "them; across machines launch every rank with torchrun (docs/scaling.md)",
+                                        flags=("-tp",))
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     @classmethod
@@ -218,7 +244,12 @@ class EngineConfig:
         speculative_config: "SpeculativeConfig | dict | None" = None,
         **options,
     ) -> "EngineConfig":
-        """From user-facing values (strings, dicts), as `LLM(...)` and `verispec serve` take them."""
+        """From user-facing values (strings, dicts), as `LLM(...)` and `verispec serve` take them.
+        An unknown option is a ValueError naming it."""
+        known = {o.name for o in user_options()} | {"grammar_limits", "prompt_logprobs_chunk_rows"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(
             dtype=parse_dtype(dtype),
             device=parse_device(device),
@@ -254,3 +285,30 @@ class EngineConfig:
             raise ValueError(f"grammar_limits.timeout_s must be > 0; got {self.grammar_limits.timeout_s!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1; got {self.max_logprobs!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class UserOption:
+    """One engine option as users set it (EngineConfig.create's keyword arguments)."""
+
+    name: str
+    default: Any
+    type: type
+    help: str
+    choices: tuple | None = None
+    flags: tuple[str, ...] = ()  # short command-line aliases
+
+
+def user_options() -> list[UserOption]:
+    """EngineConfig's user-facing options, in field order."""
+    out = []
+    for f in fields(EngineConfig):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if meta["user_default"] is not MISSING:
+            default = meta["user_default"]
+        kind = meta["type"] or type(default)
+        out.append(UserOption(meta["name"] or f.name, default, kind, meta["help"], meta["choices"], meta["flags"]))
+    return out

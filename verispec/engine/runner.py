@@ -8,7 +8,6 @@ everything is copied to the host at once, with a single synchronisation.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -26,11 +25,6 @@ from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.spec_decode.drafter import DraftInputs
 from verispec.spec_decode.metadata import SpecDecodeMetadata
 from verispec.spec_decode.verify import SampleOutput, verify
-
-
-def _contains_run(ids: list[int], run: list[int]) -> bool:
-    n = len(run)
-    return any(ids[i : i + n] == run for i, t in enumerate(ids) if t == run[0])
 
 
 @dataclass(slots=True)
@@ -66,11 +60,6 @@ class ModelRunner:
                                         self.vocab_size, self.device)
         spec = config.speculative
         self.max_verify_rows = spec.max_verify_rows_per_chunk if spec is not None else None
-        # Test hook for crash isolation: a step whose batch feeds this run of token ids raises, as
-        # a model error would. Read once from the environment so a server's core process can be
-        # armed; a run of several ids keeps random (fuzzed) prompts from tripping it by chance.
-        fault = os.environ.get("VERISPEC_FAULT_INJECT_TOKENS")
-        self.fault_tokens: list[int] | None = [int(t) for t in fault.split(",")] if fault else None
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -113,8 +102,6 @@ class ModelRunner:
                 hi = min(done + n, req.num_prompt_tokens - 1)
                 if lo < hi:
                     batch.prompt_jobs.append(PromptJob(req, start + lo - done, lo, hi))
-        if self.fault_tokens is not None and _contains_run(batch.input_ids, self.fault_tokens):
-            raise RuntimeError(f"injected fault: tokens {self.fault_tokens} in the batch (VERISPEC_FAULT_INJECT_TOKENS)")
         return batch
 
     def _forward(self, batch: FlatBatch, spec: SpecDecodeMetadata | None) -> torch.Tensor:

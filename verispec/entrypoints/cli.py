@@ -7,44 +7,45 @@ import json
 import os
 import sys
 
-from verispec.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, QUANTIZATIONS, GrammarLimits
+from verispec import envs
+from verispec.config import SPEC_METHODS, GrammarLimits, user_options
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: a GGUF file runs quantized in bfloat16 (the fast tier), an HF checkpoint in "
-                        "its own dtype; float32 is the exact tier")
-    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="weights stay packed on int4 kernels: gguf keeps a GGUF file's blocks, int4/int8 "
-                        "round an HF checkpoint's (default: gguf for a GGUF file under --dtype auto)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="do not compile the layer stack (faster start-up, slower steps)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks the model is sharded over (default: 1). On one machine the engine starts them; "
-                        "across machines launch every rank with torchrun (docs/scaling.md)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV (and prompt-logprob rows) of shared prompt prefixes (default: on)")
-    p.add_argument("--logprobs-mode", default="raw_logprobs",
-                   choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed of the request")
-    p.add_argument("--speculative-method", default=None, choices=["ngram", "draft_model", "layer_skip"],
+    """One flag per engine option (EngineConfig's `_option` fields: name, default and help from
+    there). A flag not given is left out of the namespace, so the config's own default applies."""
+    for opt in user_options():
+        flag = "--" + opt.name.replace("_", "-")
+        said = opt.default is None or "default" in opt.help  # None: the help says what happens
+        kw: dict = {"default": argparse.SUPPRESS, "help": opt.help if said else f"{opt.help} (default: {opt.default})"}
+        if opt.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw.update(type=opt.type, choices=opt.choices)
+        if opt.name == "speculative_config":
+            kw["metavar"] = "JSON"
+            kw["help"] += "; overrides the --speculative-* flags"
+        p.add_argument(flag, *opt.flags, **kw)
+    # Shorthands for speculative_config.
+    p.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
                    help="speculative decoding drafter (default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (k)")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative-method draft_model")
     p.add_argument("--draft-layers", type=int, default=None, help="target layers used by layer_skip")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        "(overrides the --speculative-* flags)")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the command line gave, as EngineConfig.create takes them."""
+    options = {o.name: getattr(args, o.name) for o in user_options() if hasattr(args, o.name)}
+    options["speculative_config"] = _speculative_config(args)
+    return options
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | None:
-    if args.speculative_config:
+    text = getattr(args, "speculative_config", None)
+    if text:
         try:
-            spec = json.loads(args.speculative_config)
+            spec = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
         if not isinstance(spec, dict):
@@ -59,21 +60,12 @@ def _speculative_config(args: argparse.Namespace) -> dict | None:
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
+    p.add_argument("--api-key", default=envs.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VERISPEC_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the file name)")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                   help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help="tokens per engine step at most")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache pool size in blocks")
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache pool size in bytes")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads of the engine core")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core replicas behind the server, each a whole engine with its own KV cache "
                         "(default: 1); each core takes its share of the CPUs unless --num-threads is set")
-    p.add_argument("--prompt-logprobs-cache-bytes", type=int, default=64 << 20,
-                   help="memory for prompt-logprob rows cached beside prefix blocks (0: KV only)")
     p.add_argument("--max-n", type=int, default=16, help="largest n a request may ask for")
     p.add_argument("--max-pending-requests", type=int, default=256,
                    help="requests admitted at once; more get 503 with Retry-After")
@@ -134,17 +126,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, stop=args.stop, logprobs=args.logprobs,
+        min_p=args.min_p, seed=getattr(args, "seed", None), stop=args.stop, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
-    llm = LLM(
-        args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-        enforce_eager=args.enforce_eager,
-        max_model_len=args.max_model_len,
-        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
-        speculative_config=_speculative_config(args), enable_prefix_caching=args.enable_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+    llm = LLM(**engine_options(args))
     print(llm.engine.runtime.line(), file=sys.stderr)
     try:
         if args.chat:
@@ -179,17 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_data_parallel_size(args.data_parallel_size)  # before any model is loaded
 
     engine = EngineConfig.create(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-        enforce_eager=args.enforce_eager,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks, kv_cache_bytes=args.kv_cache_bytes,
-        seed=args.seed if args.seed is not None else 0, logprobs_mode=args.logprobs_mode,
-        max_logprobs=args.max_logprobs, num_threads=args.num_threads,
-        speculative_config=_speculative_config(args),
-        enable_prefix_caching=args.enable_prefix_caching,
-        prompt_logprobs_cache_bytes=args.prompt_logprobs_cache_bytes,
-        tensor_parallel_size=args.tensor_parallel_size,
+        **engine_options(args),
         grammar_limits=GrammarLimits(max_bytes=args.max_grammar_bytes, max_choices=args.max_grammar_choices,
                                      timeout_s=args.grammar_timeout),
     )
@@ -213,21 +188,22 @@ def _joined_as_worker(args: argparse.Namespace) -> bool:
     from verispec.distributed.comm import Rendezvous
 
     rv = Rendezvous.from_env()
-    if args.tensor_parallel_size < 2 or rv is None or rv.size < 2:
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp < 2 or rv is None or rv.size < 2:
         return False
     if getattr(args, "data_parallel_size", 1) > 1:
         raise ValueError("--data-parallel-size > 1 cannot run under torchrun: each replica starts its own "
                          "tensor-parallel ranks on one machine")
-    if rv.size != args.tensor_parallel_size:
-        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} but torchrun started "
+    if rv.size != tp:
+        raise ValueError(f"--tensor-parallel-size={tp} but torchrun started "
                          f"WORLD_SIZE={rv.size} ranks; they must be equal")
     if rv.rank == 0:
         return False
     from verispec.distributed.executor import rank_threads
     from verispec.distributed.worker import run_worker
 
-    config = EngineConfig.create(device=args.device, num_threads=getattr(args, "num_threads", None),
-                                 tensor_parallel_size=args.tensor_parallel_size)
+    config = EngineConfig.create(device=getattr(args, "device", "auto"), num_threads=getattr(args, "num_threads", None),
+                                 tensor_parallel_size=tp)
     run_worker(rv, config.device, rank_threads(config))
     return True
 
@@ -245,11 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from verispec.bench import run
 
-            return run(args, dict(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                                  device=args.device, enforce_eager=args.enforce_eager,
-                                  max_model_len=args.max_model_len, speculative_config=_speculative_config(args),
-                                  enable_prefix_caching=args.enable_prefix_caching,
-                                  tensor_parallel_size=args.tensor_parallel_size))
+            return run(args, engine_options(args))
     except ValueError as exc:  # bad options: one clear line, no traceback
         print(f"verispec: error: {exc}", file=sys.stderr)
         return 2

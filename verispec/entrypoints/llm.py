@@ -7,9 +7,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from verispec.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig, LogprobsMode, SpeculativeConfig,
-)
+from verispec.config import EngineConfig
 from verispec.engine.llm_engine import LLMEngine
 from verispec.entrypoints.chat_utils import chat_prompt_ids
 from verispec.outputs import RequestOutput
@@ -19,50 +17,13 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        quantization: str | None = None,
-        device: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_bytes: int | None = None,
-        seed: int = 0,
-        logprobs_mode: LogprobsMode | str = LogprobsMode.RAW_LOGPROBS,
-        max_logprobs: int = 20,
-        num_threads: int | None = None,
-        speculative_config: "SpeculativeConfig | dict | None" = None,
-        enforce_eager: bool = False,
-        enable_prefix_caching: bool = True,
-        prompt_logprobs_cache_bytes: int = 64 << 20,
-        tensor_parallel_size: int = 1,
-    ):
-        config = EngineConfig.create(
-            model=model,
-            dtype=dtype,
-            quantization=quantization,
-            device=device,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_bytes=kv_cache_bytes,
-            seed=seed,
-            logprobs_mode=logprobs_mode,
-            max_logprobs=max_logprobs,
-            num_threads=num_threads,
-            speculative_config=speculative_config,
-            enforce_eager=enforce_eager,
-            enable_prefix_caching=enable_prefix_caching,
-            prompt_logprobs_cache_bytes=prompt_logprobs_cache_bytes,
-            tensor_parallel_size=tensor_parallel_size,
-        )
+    def __init__(self, model: str | None = None, **options: Any):
+        """`model`: an HF checkpoint directory or a .gguf file (default: the bundled model).
+        `options`: the engine's options (`verispec.config.EngineConfig`, the fields made with
+        `_option`; `verispec serve --help` lists them with their defaults): dtype, quantization,
+        device, max_model_len, max_num_seqs, speculative_config, ... An unknown one is a
+        ValueError naming it."""
+        config = EngineConfig.create(model=model, **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
+from verispec import envs
 from verispec.models.loader import cache_dir
 
 logger = logging.getLogger("verispec.kernels")
@@ -174,7 +175,7 @@ def kernel_build() -> KernelBuild:
 
 @functools.cache
 def _kernel_build() -> KernelBuild:
-    if os.environ.get("VERISPEC_CPU_KERNELS", "1") == "0":
+    if not envs.cpu_kernels_enabled():
         return KernelBuild(None, "VERISPEC_CPU_KERNELS=0")
     cxx = cxx_compiler()
     if cxx is None:
@@ -218,7 +219,7 @@ def cpu_kernels_available() -> bool:
 
 def kernels_wanted() -> bool:
     """Whether this machine should have the kernels: a C++ compiler, and not switched off."""
-    return os.environ.get("VERISPEC_CPU_KERNELS", "1") != "0" and cxx_compiler() is not None
+    return envs.cpu_kernels_enabled() and cxx_compiler() is not None
 
 
 _fakes_registered = False

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec import envs
 from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.quant import QuantizedWeight
 
@@ -328,7 +329,7 @@ def packed_wanted(weight: QuantizedWeight, dtype: torch.dtype, device: torch.dev
     """The fast tier's CPU matrices (and its 8-bit lm_head) run packed when the kernels are here;
     `VERISPEC_PACKED_KERNEL=0` puts them back on torch's int4 kernel (for comparisons)."""
     return (dtype != torch.float32 and torch.device(device).type == "cpu" and packed_format(weight) is not None
-            and os.environ.get("VERISPEC_PACKED_KERNEL", "1") != "0" and cpu_kernels_available())
+            and envs.packed_kernel_enabled() and cpu_kernels_available())
 
 
 def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec import envs
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_index import file_key, read_index
 from verispec.models.quant import GROUP_SIZE, QuantizedWeight, from_gguf_blocks, quantize_rtn
@@ -259,10 +260,7 @@ def _gguf_name(name: str) -> str | None:
 # --------------------------------------------------------------------------------- tokenizer
 def cache_dir() -> Path:
     """verispec's on-disk cache: `$VERISPEC_CACHE`, else `$XDG_CACHE_HOME/verispec` (`~/.cache/verispec`)."""
-    root = os.environ.get("VERISPEC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "verispec"
-    )
-    return Path(root)
+    return Path(envs.cache_root())
 
 
 def load_tokenizer(model: str):

@@ -1,0 +1,40 @@
+"""Every environment variable verispec reads, read here and nowhere else (docs/design.md has the
+table). Each is read when asked for, so a test or a parent process may set it late.
+
+| variable | default | effect |
+|---|---|---|
+| `VERISPEC_CACHE` | `$XDG_CACHE_HOME/verispec`, else `~/.cache/verispec` | the on-disk cache: built kernels, tokenizers read from GGUF files |
+| `VERISPEC_CPU_KERNELS` | `1` | `0`: verispec's CPU kernels are not built; attention runs on SDPA, packed matrices on torch's int4 kernel |
+| `VERISPEC_PACKED_KERNEL` | `1` | `0`: the fast tier's matrices run on torch's int4 kernel, not the packed one (comparisons) |
+| `VERISPEC_COMPILE` | `1` | `0`: `enforce_eager` defaults to true (no torch.compile); an engine's own setting still wins when true |
+| `VERISPEC_API_KEY` | unset | `verispec serve --api-key`'s default |
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _on(name: str) -> bool:
+    return os.environ.get(name, "1") != "0"
+
+
+def cache_root() -> str:
+    return os.environ.get("VERISPEC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "verispec")
+
+
+def cpu_kernels_enabled() -> bool:
+    return _on("VERISPEC_CPU_KERNELS")
+
+
+def packed_kernel_enabled() -> bool:
+    return _on("VERISPEC_PACKED_KERNEL")
+
+
+def compile_enabled() -> bool:
+    return _on("VERISPEC_COMPILE")
+
+
+def api_key() -> str | None:
+    return os.environ.get("VERISPEC_API_KEY")
