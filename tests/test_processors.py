@@ -32,7 +32,8 @@ CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 
 
-def make_row(params, prompt=(), output=(), noise=None, stop_ids=(), position_independent=False) -> RowSpec:
+def make_row(params, prompt=(), output=(), noise=None, stop_ids=(), position_independent=False,
+             bad_words_token_ids=()) -> RowSpec:
     return RowSpec(
         params=params,
         prompt_ids=list(prompt),
@@ -42,6 +43,7 @@ def make_row(params, prompt=(), output=(), noise=None, stop_ids=(), position_ind
         mode=LogprobsMode.PROCESSED_LOGPROBS,
         num_logprobs=None,
         position_independent=position_independent,
+        bad_words_token_ids=[list(w) for w in bad_words_token_ids],
     )
 
 
@@ -239,15 +241,10 @@ def test_bad_words_single_and_multi_token():
     vocab = 32
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(6))
 
-    def params():
-        # `_bad_words_token_ids` is what the processor uses; the engine fills it from `bad_words`
-        # (metadata gates the stage on `bad_words`, so set both as the engine does).
-        p = SamplingParams(bad_words=["five", "seven eight"])
-        p._bad_words_token_ids = [[5], [7, 8]]
-        return p
-
+    # The rows carry the request's bad words as token sequences, which the engine tokenizes.
+    p = SamplingParams(bad_words=["five", "seven eight"])
     outputs = [[], [7], [1, 7], [7, 1], [8, 7, 9]]
-    out = run_chain(logits, [make_row(params(), prompt=[7], output=o) for o in outputs])
+    out = run_chain(logits, [make_row(p, prompt=[7], output=o, bad_words_token_ids=[[5], [7, 8]]) for o in outputs])
     for i, o in enumerate(outputs):
         banned = {5} | ({8} if o and o[-1] == 7 else set())
         keep = [t for t in range(vocab) if t not in banned]
@@ -263,9 +260,9 @@ def test_position_independent_rows_skip_history_stages():
         temperature=0.5, top_k=30, repetition_penalty=2.0, presence_penalty=1.0, frequency_penalty=1.0,
         min_tokens=5, logit_bias={3: 2.0}, bad_words=["x"],
     )
-    p._bad_words_token_ids = [[4]]
     history = list(range(10, 40))
-    row = make_row(p, prompt=history, output=history[:5], stop_ids={2}, position_independent=True)
+    row = make_row(p, prompt=history, output=history[:5], stop_ids={2}, position_independent=True,
+                   bad_words_token_ids=[[4]])
     out = run_chain(logits[:1], [row])
     biased = logits[:1].clone()
     biased[0, 3] += 2.0

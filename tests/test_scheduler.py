@@ -86,7 +86,7 @@ def test_a_short_pool_preempts_the_latest_admitted_and_admits_nobody():
     # is preempted, and c is not admitted in a step that preempted.
     out = sched.schedule()
     assert out.preempted == ["b"] and [s.request.request_id for s in out.scheduled] == ["a"]
-    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert [r.request_id for r in sched.waiting] == ["b", "c"]  # b goes first when room comes back
     assert pool.table("b") == [] and sched.num_preemptions == 1
     sched.finish(a)
@@ -107,25 +107,25 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     a = make_request("a", 6)
     sched.add(a)
 
-    def apply(step, result, skip=frozenset()):  # the engine's order: output first, then the scheduler
+    def step_through(step, result, skip=frozenset()):  # the engine order: output first, then the scheduler
         emitted = output.process_step(step, result, skip)
         sched.update_from_output(step, result, skip)
         return emitted
 
     step = sched.schedule()
-    assert apply(step, step_result("a", sampled=[50])) == [a]
+    assert step_through(step, step_result("a", sampled=[50])) == [a]
     assert a.num_computed_tokens == 6 and a.output_token_ids == [50]
     a.draft_token_ids = [60, 61, 62]
     step = sched.schedule()  # 1 new token + 3 drafts: 10 tokens, 3 blocks
     assert len(pool.table("a")) == 3
-    apply(step, step_result("a", sampled=[60, 70], num_verified=3, num_accepted=1))
+    step_through(step, step_result("a", sampled=[60, 70], num_verified=3, num_accepted=1))
     # The cache keeps 6 + 1 + the accepted draft; the block that held only rejected drafts goes back.
     assert a.num_computed_tokens == 8 and len(pool.table("a")) == 2
     assert a.output_token_ids == [50, 60, 70] and a.draft_token_ids == []
     assert sched.spec_metrics.as_dict()["accepted_per_position"] == [1, 0, 0]
     assert (sched.spec_metrics.num_drafts, sched.spec_metrics.num_draft_tokens) == (1, 3)
     skipped = sched.schedule()
-    assert apply(skipped, step_result("a", sampled=[80]), skip={"a"}) == []
+    assert step_through(skipped, step_result("a", sampled=[80]), skip={"a"}) == []
     assert a.output_token_ids == [50, 60, 70]  # a skipped request takes nothing from the step
 
 
@@ -190,7 +190,7 @@ def test_a_starved_group_gets_a_slot_by_preempting_the_big_groups_latest():
     assert out.preempted == ["big-3"] and list(scheduled(out)) == ["big-0", "big-1", "big-2", "new-0"]
     victim = big[3]
     assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
-    assert victim.num_preemptions == 1 and sched.num_preemptions == 1
+    assert sched.num_preemptions == 1
     assert sched.pool.table("big-3") == []
     assert [r.request_id for r in sched.waiting] == ["big-3", "big-4", "big-5"]  # back first in its group
     # Two each now: no more preemptions while the share holds.

@@ -25,14 +25,14 @@ class LogprobsMode(str, enum.Enum):
     PROCESSED_LOGITS = "processed_logits"
 
     @classmethod
-    def parse(cls, value: "LogprobsMode | str", field: str = "logprobs_mode") -> "LogprobsMode":
+    def parse(cls, value: "LogprobsMode | str") -> "LogprobsMode":
         if isinstance(value, cls):
             return value
         try:
             return cls(value)
         except ValueError:
             valid = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"{field} must be one of {valid}; got {value!r}") from None
+            raise ValueError(f"logprobs_mode must be one of {valid}; got {value!r}") from None
 
     @property
     def is_raw(self) -> bool:

@@ -31,9 +31,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class RequestOutput:

@@ -39,11 +39,12 @@ class Request:
     noise: RequestNoise  # position-keyed random draws (sample/noise.py)
     stop_ids: frozenset[int]  # EOS ids (unless ignore_eos) + stop_token_ids
     max_tokens: int
+    # `bad_words` as token sequences, tokenized by the engine (each word alone and after a space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # prompt + output tokens; the cache holds the first num_computed_tokens of them
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
     # Output side, filled by the output processor.
     output_text: str = ""
     detok: Any = None  # output_processor.IncrementalText, once a token has been decoded

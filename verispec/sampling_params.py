@@ -123,14 +123,11 @@ class SamplingParams:
     cache_salt: str | None = None
     # A grammar the output must follow: StructuredOutputsParams, or a dict of its fields.
     structured_outputs: StructuredOutputsParams | dict | None = None
-    # Filled by the engine from `bad_words` with its tokenizer; not a user field.
-    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
-
     def __post_init__(self) -> None:
-        self._validate()
+        self.validate()
 
     # ------------------------------------------------------------------ validation
-    def _validate(self) -> None:
+    def validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer in [1, 2**63); got {_brief(self.n)}")
         if not _is_number(self.temperature) or self.temperature < 0:

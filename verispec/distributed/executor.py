@@ -141,7 +141,9 @@ class TensorParallel:
         # that ran torch threads is unsafe.
         args = ["--host", self._rv.host, "--port", str(self._rv.port), "--size", str(self.size),
                 "--device", str(config.device), "--threads", str(rank_threads(config)),
-                "--preload", str(model_path), str(config.dtype).removeprefix("torch."), str(config.quantization)]
+                "--preload", str(model_path), str(config.dtype).removeprefix("torch.")]
+        if config.quantization is not None:
+            args += ["--quantization", config.quantization]
         self.procs = [subprocess.Popen([sys.executable, "-m", "verispec.distributed.worker", "--rank", str(r), *args])
                       for r in range(1, self.size)]
 

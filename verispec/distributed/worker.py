@@ -94,13 +94,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--preload", nargs=3, metavar=("PATH", "DTYPE", "QUANTIZATION"), default=None)
+    p.add_argument("--preload", nargs=2, metavar=("PATH", "DTYPE"), default=None)
+    p.add_argument("--quantization", default=None, help="the preloaded model's (default: none, dense)")
     args = p.parse_args(argv)
     _die_with_parent()
     preload = None
     if args.preload:
-        path, dtype, quantization = args.preload
-        preload = (path, getattr(torch, dtype), None if quantization == "None" else quantization)
+        path, dtype = args.preload
+        preload = (path, getattr(torch, dtype), args.quantization)
     run_worker(Rendezvous(args.host, args.port, args.rank, args.size), torch.device(args.device), args.threads, preload)
 
 

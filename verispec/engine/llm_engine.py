@@ -183,7 +183,7 @@ class LLMEngine:
         """`group`: the client request this one belongs to (default: itself); the scheduler shares
         the running slots fairly between groups. Every child (n > 1) is in the same group."""
         params = SamplingParams() if params is None else params.clone()
-        params._validate()  # fields may have been changed since construction
+        params.validate()  # fields may have been changed since construction
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -199,7 +199,7 @@ class LLMEngine:
                 f"{self.pool.blocks_needed(len(ids) + max_tokens)} KV blocks but the pool has "
                 f"{self.pool.num_blocks}; lower max_tokens or raise num_kv_blocks / kv_cache_bytes"
             )
-        params._bad_words_token_ids = self._bad_word_ids(params.bad_words)
+        bad_words = self._bad_word_ids(params.bad_words)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         mode = params.logprobs_mode or self.config.logprobs_mode
         # Compiled (and checked) before any child is queued: a bad grammar refuses the whole request.
@@ -221,6 +221,7 @@ class LLMEngine:
                 noise=RequestNoise(base_seed if i == 0 else f"{base_seed}:{i}"),
                 stop_ids=stop_ids,
                 max_tokens=max_tokens,
+                bad_words_token_ids=bad_words,
                 logprobs=[] if wants_logprobs else None,
                 # Every child shares the prompt: only the first one scores it.
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,

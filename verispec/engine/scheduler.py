@@ -154,7 +154,6 @@ class Scheduler:
         req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 

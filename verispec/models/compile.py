@@ -103,9 +103,8 @@ class CompiledStack:
         return self._fn(input_ids, cos, sin)
 
 
-def warm_up_sizes() -> tuple[int, ...]:
-    """The compile (2 tokens), then the sizes that must not recompile: one row, the most rows."""
-    return (2, 1, KERNEL_MAX_ROWS)
+# The compile (2 tokens), then the sizes that must not recompile: one row, the most rows.
+WARM_UP_SIZES = (2, 1, KERNEL_MAX_ROWS)
 
 
 @torch.inference_mode()
@@ -119,7 +118,7 @@ def warm_up(model, kv_layers: list, block_size: int, num_blocks: int) -> None:
     start = time.perf_counter()
     logger.info("compiling the layer stack (about a minute the first time, seconds once cached; "
                 "enforce_eager=True skips it)")
-    for n in warm_up_sizes():
+    for n in WARM_UP_SIZES:
         nb = -(-n // block_size)
         if nb > num_blocks:  # a tiny pool: the graph is the same, this size is just not rehearsed
             continue

@@ -12,11 +12,13 @@
 - Weight-only quantized matmul for the exact tier on GGUF codes (`csrc/quant_linear.cpp`: 8-bit
   and 4-bit codes decoded exactly to fp32, fp32 activations): fp32 output and the same
   arithmetic for any number of rows.
+- RMSNorm in one fixed order of fp32 sums (`csrc/rms_norm.cpp`), the compiled step's norm.
 
 The library is compiled at torch's own CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`,
 which `ATEN_CPU_CAPABILITY` can lower) with the flags torch builds that level with, into `kernels/`
 under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the source,
-torch's version, the level, its flags and the compiler, so a machine builds it once (about 25 s). A level whose
+torch's version, the level, its flags and the compiler, so a machine builds it once (about 75 s on
+2 cores: the packed matmul's five variants are most of it). A level whose
 build fails falls back to the next one down (AVX512, AVX2, then the portable build); the failure is
 remembered beside the library, with the compiler's full output in a log file, and reported in one
 line, so a machine does not retry it at every start. No compiler, every build failed, or

@@ -10,7 +10,9 @@ round-to-nearest codes of an HF checkpoint's matrices).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,8 @@ from verispec import envs
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_index import file_key, read_index
 from verispec.models.quant import GROUP_SIZE, QuantizedWeight, from_gguf_blocks, quantize_rtn
+
+logger = logging.getLogger("verispec")
 
 _EXACT_GGUF = ("Q4_0", "Q4_1", "Q8_0")  # decoded into QuantizedWeight without rounding
 _DENSE_GGUF = ("F32", "F16", "BF16")
@@ -279,13 +283,14 @@ def load_tokenizer(model: str):
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
-        except Exception:  # a damaged cache entry is rebuilt below
-            pass
+        except (OSError, ValueError) as exc:  # a damaged cache entry: rebuilt below
+            logger.warning("rebuilding the cached tokenizer %s (%s)", cached, exc)
+            shutil.rmtree(cached, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
         tok.save_pretrained(str(tmp))
-        os.replace(tmp, cached) if not cached.exists() else None
-    except OSError:  # a read-only home is not an error, only slower next time
-        pass
+        os.replace(tmp, cached)  # fails where another process cached it first: theirs stays
+    except OSError:  # that, or a read-only home: not an error, only slower next time
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok

@@ -37,6 +37,7 @@ class RowSpec:
     position_independent: bool = False  # prompt rows: only position-independent processors
     grammar_mask: bytes | None = None  # structured output: llguidance's bitmask for this row
     purpose: str = "sample"  # which noise stream a random draw of this row uses
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # the request's, tokenized
 
     @classmethod
     def for_request(cls, req: "Request", drafts: list[int] = (), purpose: str = "sample") -> "RowSpec":
@@ -51,6 +52,7 @@ class RowSpec:
             mode=req.logprobs_mode,
             num_logprobs=req.params.logprobs,
             purpose=purpose,
+            bad_words_token_ids=req.bad_words_token_ids,
         )
 
     @property
@@ -103,7 +105,7 @@ class SamplingMetadata:
             mps.append(float(p.min_p))
             if not r.position_independent:
                 any_pen |= p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                any_sparse |= bool(p._bad_words_token_ids or (p.min_tokens and len(r.output_ids) < p.min_tokens))
+                any_sparse |= bool(r.bad_words_token_ids or (p.min_tokens and len(r.output_ids) < p.min_tokens))
             any_sparse |= bool(p.allowed_token_ids or p.logit_bias)
 
         def stage(values: list, used: bool, dtype: torch.dtype) -> torch.Tensor | None:

@@ -52,7 +52,7 @@ def _sparse_entries(md: SamplingMetadata, device: torch.device) -> dict[str, tor
             allow_rows.extend([i] * len(p.allowed_token_ids))
             allow_cols.extend(p.allowed_token_ids)
         if not row.position_independent:
-            banned = _banned_by_bad_words(p._bad_words_token_ids, row.output_ids)
+            banned = _banned_by_bad_words(row.bad_words_token_ids, row.output_ids)
             if p.min_tokens and len(row.output_ids) < p.min_tokens:
                 banned.extend(row.stop_ids)
             ban_rows.extend([i] * len(banned))

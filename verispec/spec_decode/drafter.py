@@ -44,7 +44,7 @@ def needs_token_values(req: Request) -> bool:
     p = req.params
     return bool(
         p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        or p._bad_words_token_ids
+        or req.bad_words_token_ids
     )
 
 
