@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from benchmarks.runner import add_arguments, run
+from benchmarks.options import add_arguments
+from benchmarks.runner import run
 
 
 def build_parser() -> argparse.ArgumentParser:

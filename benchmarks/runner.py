@@ -16,10 +16,10 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.adaptive import AdaptiveRow, run_adaptive, write_adaptive
+from benchmarks.options import BenchConfig, resolve
 from benchmarks.peers import load_system
 from benchmarks.plot import plot
 from benchmarks.prompts import Prompt, chat_prompts
@@ -36,7 +36,6 @@ from benchmarks.report import (
 )
 from benchmarks.scenarios import (
     ADAPTIVE_SCENARIO,
-    ALL_SCENARIOS,
     COST_SCENARIO,
     PREFIX_SCENARIO,
     SCALING_SCENARIO,
@@ -65,26 +64,12 @@ from benchmarks.tiers import (
     measure_fidelity,
 )
 
-DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
-QUICK_MAX_TOKENS, QUICK_RUNS = 32, 1
 # The warm-up only has to touch every code path (prefill, decode, allocator, thread pools), not
 # to be long: a few tokens of the real scenario do that and keep --quick quick.
 WARMUP_TOKENS = 8
 # --quick also warms up on at most this many prompt tokens: a full-length warm-up of the 2k-token
 # TTFT prompt or the extractive one costs more than the timed run in a one-run smoke test.
 QUICK_WARMUP_PROMPT_TOKENS = 256
-
-
-@dataclass(slots=True)
-class BenchConfig:
-    quick: bool
-    peers: list[str]
-    out: Path
-    max_tokens: int
-    runs: int
-    scenarios: list[str]
-    threads: int | None
-    adaptive_queue: int = 1  # adaptive sweep: requests per batch slot (1: one fixed batch)
 
 
 @dataclass(slots=True)
@@ -112,55 +97,6 @@ class RunState:
 
 def log(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {QUICK_MAX_TOKENS} tokens, {QUICK_RUNS} run (about 3 minutes)")
-    parser.add_argument("--peers", default="hf,llamacpp",
-                        help=f"comma list of peers to compare with: {','.join(PEERS)}, or 'none' (default: %(default)s)")
-    parser.add_argument("--out", default="bench-out", metavar="DIR",
-                        help="where bench.json, bench.md and bench.png go (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help=f"new tokens per prompt (default {DEFAULT_MAX_TOKENS}; {QUICK_MAX_TOKENS} with --quick)")
-    parser.add_argument("--runs", type=int, default=None,
-                        help=f"timed runs per figure, median reported (default {DEFAULT_RUNS}; {QUICK_RUNS} with --quick)")
-    parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS),
-                        help="comma list of scenarios (default: %(default)s)")
-    parser.add_argument("--adaptive-queue", type=int, default=1, metavar="N",
-                        help="adaptive sweep: submit N x batch requests with at most `batch` running at once "
-                             "(continuous batching), instead of one fixed batch (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for every system (default: torch's default, normally all cores)")
-
-
-def _split(value: str) -> list[str]:
-    return list(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
-
-
-def _resolve(args: argparse.Namespace) -> BenchConfig:
-    quick = bool(getattr(args, "quick", False))
-    peers = _split(getattr(args, "peers", "hf,llamacpp") or "")
-    peers = [] if peers == ["none"] else peers
-    scenarios = _split(getattr(args, "scenarios", None) or ",".join(ALL_SCENARIOS))
-    # None means "not given": --quick changes the defaults but never an explicit value (0 included,
-    # which is then rejected below rather than silently replaced).
-    max_tokens = getattr(args, "max_tokens", None)
-    max_tokens = (QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS) if max_tokens is None else max_tokens
-    runs = getattr(args, "runs", None)
-    runs = (QUICK_RUNS if quick else DEFAULT_RUNS) if runs is None else runs
-    threads = getattr(args, "threads", None)
-    if bad := [p for p in peers if p not in PEERS]:
-        raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
-    if bad := [s for s in scenarios if s not in ALL_SCENARIOS]:
-        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join(ALL_SCENARIOS)}")
-    if not scenarios:
-        raise ValueError("--scenarios names no scenario")
-    queue = getattr(args, "adaptive_queue", 1)
-    if max_tokens < 1 or runs < 1 or queue < 1 or (threads is not None and threads < 1):
-        raise ValueError("--max-tokens, --runs, --adaptive-queue and --threads must be >= 1")
-    return BenchConfig(quick, peers, Path(getattr(args, "out", "bench-out")), max_tokens, runs, scenarios, threads,
-                       queue)
 
 
 def _add(total: int | None, part: int | None) -> int | None:
@@ -302,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     # Never reach for the Hub: every model file here is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        cfg = _resolve(args)
+        cfg = resolve(args)
     except ValueError as exc:
         log(f"error: {exc}")
         return 2

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks import runner
+from benchmarks.options import resolve
 from benchmarks.system import PLAIN, SPEC, Generation, PeerUnavailable
 from benchmarks.prompts import Prompt
 from benchmarks.report import (
@@ -66,7 +67,7 @@ def test_unavailable_peer_is_skipped_with_its_install_command(monkeypatch):
         return fake if key == EXACT.key else _FakeSystem(key)
 
     monkeypatch.setattr(runner, "load_system", load)
-    cfg = runner._resolve(bench_args("--peers", "llamacpp", "--scenarios", "single,extractive,ttft", "--runs", "2",
+    cfg = resolve(bench_args("--peers", "llamacpp", "--scenarios", "single,extractive,ttft", "--runs", "2",
                                 "--max-tokens", "4"))
     prompt = Prompt("q", "q", [1, 2, 3])
     state = runner.RunState()
@@ -107,7 +108,7 @@ def test_both_tiers_run_as_their_own_systems_and_hf_checks_them(monkeypatch):
     monkeypatch.setattr(runner, "measure_fidelity",
                         lambda model, tier, prompts, tokens, log: fidelity.append((model, tier, prompts, tokens))
                         or fidelity_row(1e-3, 0.99))
-    cfg = runner._resolve(bench_args("--quick", "--peers", "hf", "--max-tokens", "4",
+    cfg = resolve(bench_args("--quick", "--peers", "hf", "--max-tokens", "4",
                                 "--scenarios", "single,batch16_logprobs,extractive,spec"))
     prompt = Prompt("q", "q", [1, 2, 3])
     state = runner.RunState(fidelity_prompts=[prompt, prompt])
@@ -144,7 +145,7 @@ def test_a_failed_fidelity_check_is_an_error_not_a_lost_run(monkeypatch):
         raise RuntimeError("no int4 kernel")
 
     monkeypatch.setattr(runner, "measure_fidelity", broken)
-    cfg = runner._resolve(bench_args("--peers", "hf", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
+    cfg = resolve(bench_args("--peers", "hf", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
     prompt = Prompt("q", "q", [1, 2, 3])
     state = runner.RunState(fidelity_prompts=[prompt])
     assert runner._measure_all(cfg, "model.gguf", 2, None, {"single": [prompt]}, state)
@@ -153,7 +154,7 @@ def test_a_failed_fidelity_check_is_an_error_not_a_lost_run(monkeypatch):
     assert state.fidelity == []
     # Without HF among the peers there are no fidelity prompts and no check.
     state = runner.RunState()
-    cfg = runner._resolve(bench_args("--peers", "none", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
+    cfg = resolve(bench_args("--peers", "none", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
     assert runner._measure_all(cfg, "model.gguf", 2, None, {"single": [prompt]}, state)
     assert state.fidelity == [] and not state.errors and len(state.results) == 2
 
@@ -165,7 +166,7 @@ def test_a_fast_tier_that_fails_to_load_does_not_stop_the_bench(monkeypatch):
         return _FakeSystem(key)
 
     monkeypatch.setattr(runner, "load_system", load)
-    cfg = runner._resolve(bench_args("--peers", "none", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
+    cfg = resolve(bench_args("--peers", "none", "--max-tokens", "2", "--runs", "1", "--scenarios", "single"))
     state = runner.RunState()
     assert runner._measure_all(cfg, "model.gguf", 2, None, {"single": [Prompt("q", "q", [1])]}, state)
     assert "int4 kernels unavailable" in state.errors[FAST.key]

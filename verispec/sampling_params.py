@@ -127,6 +127,8 @@ class SamplingParams:
         self.validate()
 
     # ------------------------------------------------------------------ validation
+    # long: one check per field, in the fields' order, each raising with that field's name; split
+    # into groups it would only scatter a flat list.
     def validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer in [1, 2**63); got {_brief(self.n)}")

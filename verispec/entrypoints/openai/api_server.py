@@ -94,6 +94,8 @@ def _load_tokenizer(path: str):
     return tokenizer, text_encoder(tokenizer) if tokenizer is not None else None
 
 
+# long: the routes are closures over this server's state (engine client, metrics, pending work),
+# each a few lines, declared where FastAPI registers them.
 def build_app(config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name())
     pending = PendingWork(config.max_pending_requests, config.max_pending_sequences,

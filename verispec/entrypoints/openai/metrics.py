@@ -24,6 +24,7 @@ class _EngineCollector:
     def describe(self):  # collected on scrape; describing would run collect at registration
         return []
 
+    # long: one metric family per EngineStats field, a line or two each, in the struct's order.
     def collect(self):
         s: EngineStats = self.metrics.engine_stats
         model = self.metrics.model_name

@@ -159,6 +159,8 @@ def stream_completion(ctx: ServingContext, req: CompletionRequest, prepared) -> 
     return _stream(ctx, req, *prepared)
 
 
+# long: one server-sent-event stream from first chunk to [DONE], its queue, disconnect and error
+# paths together, so that what a client sees reads top to bottom.
 async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
     request_id = new_id("cmpl")
     created = int(time.time())
