@@ -20,11 +20,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from verispec import envs
+
 ROWS = (1, 2, 4, 6, 8, 16)
 # (label, LLM options, environment): each a system of its own, loaded one at a time.
 CONFIGS: tuple[tuple[str, dict[str, Any], dict[str, str]], ...] = (
     ("fast, verispec packed", {"dtype": "auto"}, {}),
-    ("fast, torch int4", {"dtype": "auto"}, {"VERISPEC_PACKED_KERNEL": "0"}),
+    ("fast, torch int4", {"dtype": "auto"}, {envs.PACKED_KERNEL: "0"}),
     ("exact on codes (verispec decoded)", {"dtype": "float32", "quantization": "gguf"}, {}),
     ("exact fp32 (dense)", {"dtype": "float32"}, {}),
 )

@@ -15,12 +15,12 @@ from conftest import examples, make_tiny_checkpoint
 from test_spec_decode import (  # noqa: F401 - small_vocab_model and other_draft are fixtures
     PROMPT16,
     assert_same_logprobs,
-    chi_square,
     exact_two_token_distribution,
     other_draft,
     repetitive_prompts,
     small_vocab_model,
 )
+from test_verify import chi_square
 from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
 from verispec.spec_decode import verify as verify_mod

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import runner
+from benchmarks.options import resolve
 from benchmarks.system import PLAIN, SPEC, Generation, acceptance_from_lengths
 from benchmarks.prompts import extractive_prompt, long_prompt
 from benchmarks.report import (
@@ -31,20 +32,20 @@ from bench_helpers import bench_args, bench_row, fidelity_row
 
 # ---------------------------------------------------------------------------------- options
 def test_defaults_and_quick():
-    full = runner._resolve(bench_args())
+    full = resolve(bench_args())
     assert (full.max_tokens, full.runs, full.quick) == (128, 3, False)
     assert full.peers == ["hf", "llamacpp"]
     assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost"]
-    quick = runner._resolve(bench_args("--quick", "--out", "x"))
+    quick = resolve(bench_args("--quick", "--out", "x"))
     assert (quick.max_tokens, quick.runs, quick.out) == (32, 1, Path("x"))
 
 
 def test_explicit_values_win_over_quick_and_none_means_no_peers():
-    cfg = runner._resolve(bench_args("--quick", "--max-tokens", "7", "--runs", "2", "--peers", "none",
+    cfg = resolve(bench_args("--quick", "--max-tokens", "7", "--runs", "2", "--peers", "none",
                                 "--scenarios", "ttft, extractive,ttft", "--threads", "1"))
     assert (cfg.max_tokens, cfg.runs, cfg.peers, cfg.threads) == (7, 2, [], 1)
     assert cfg.scenarios == ["ttft", "extractive"]  # order kept, duplicates dropped
-    assert cfg.adaptive_queue == 1 and runner._resolve(bench_args("--adaptive-queue", "3")).adaptive_queue == 3
+    assert cfg.adaptive_queue == 1 and resolve(bench_args("--adaptive-queue", "3")).adaptive_queue == 3
 
 
 @pytest.mark.parametrize("argv, word", [
@@ -57,7 +58,7 @@ def test_explicit_values_win_over_quick_and_none_means_no_peers():
 ])
 def test_bad_options_are_rejected(argv, word):
     with pytest.raises(ValueError, match=word):
-        runner._resolve(bench_args(*argv))
+        resolve(bench_args(*argv))
 
 
 def test_bad_option_exits_2_without_loading_anything(capsys):

@@ -270,7 +270,7 @@ def test_sampled_strings_follow_the_grammar_restricted_distribution(engines, cho
     """Chi-square: over 2000 seeds, the strings a choice grammar yields follow the target restricted
     to the grammar and renormalized, step by step, with and without drafts (the prompt holds the
     choices, so prompt lookup drafts their second words)."""
-    from test_spec_decode import chi_square
+    from test_verify import chi_square
 
     so, prompt, exact = choice_case
     n = 2000

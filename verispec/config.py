@@ -220,7 +220,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = _option(
         None, "speculative decoding as a dict (JSON on the command line), e.g. "
         '{"method": "ngram", "num_speculative_tokens": 4}', type=str, name="speculative_config")
-    # True: never torch.compile the layer stack; VERISPEC_COMPILE=0 makes it the default (envs.py).
+    # True: never torch.compile the layer stack; the environment's compile switch makes it the
+    # default (verispec/envs.py).
     enforce_eager: bool = _option(help="do not compile the layer stack (faster start-up, slower steps)",
                                   factory=lambda: not envs.compile_enabled())
     # Automatic prefix caching (engine/prefix_cache.py), and the memory its cached prompt-logprob

@@ -14,27 +14,34 @@ from __future__ import annotations
 
 import os
 
+# The variables' names, for messages and for tests that set them.
+CACHE = "VERISPEC_CACHE"
+CPU_KERNELS = "VERISPEC_CPU_KERNELS"
+PACKED_KERNEL = "VERISPEC_PACKED_KERNEL"
+COMPILE = "VERISPEC_COMPILE"
+API_KEY = "VERISPEC_API_KEY"
+
 
 def _on(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
 
 def cache_root() -> str:
-    return os.environ.get("VERISPEC_CACHE") or os.path.join(
+    return os.environ.get(CACHE) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "verispec")
 
 
 def cpu_kernels_enabled() -> bool:
-    return _on("VERISPEC_CPU_KERNELS")
+    return _on(CPU_KERNELS)
 
 
 def packed_kernel_enabled() -> bool:
-    return _on("VERISPEC_PACKED_KERNEL")
+    return _on(PACKED_KERNEL)
 
 
 def compile_enabled() -> bool:
-    return _on("VERISPEC_COMPILE")
+    return _on(COMPILE)
 
 
 def api_key() -> str | None:
-    return os.environ.get("VERISPEC_API_KEY")
+    return os.environ.get(API_KEY)

@@ -61,7 +61,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=envs.api_key(),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VERISPEC_API_KEY)")
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${envs.API_KEY})")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the file name)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core replicas behind the server, each a whole engine with its own KV cache "

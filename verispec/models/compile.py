@@ -18,8 +18,8 @@ runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls the
 - Inductor's on-disk cache lives under verispec's cache, one directory per CPU capability: its
   keys do not include `ATEN_CPU_CAPABILITY`, and C++ generated for AVX2 fails to build at the
   portable level (and AVX-512 code would not run on an AVX2 machine).
-- `enforce_eager=True` (by default where `VERISPEC_COMPILE=0`), or a machine without a C++ compiler runs eager; so
-  does CUDA for now (untested there, and CUDA graphs are what a GPU step needs).
+- `enforce_eager=True` (the default where the environment switches compiling off, verispec/envs.py),
+  or a machine without a C++ compiler runs eager; so does CUDA for now (untested there, and CUDA graphs are what a GPU step needs).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ logger = logging.getLogger("verispec.compile")
 
 def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
     """Whether to compile: on a CPU with a C++ compiler, unless asked for eager."""
-    if enforce_eager:  # VERISPEC_COMPILE=0 makes it the default (verispec/envs.py)
+    if enforce_eager:  # the environment may make it the default (verispec/envs.py)
         return False
     if device.type != "cpu":  # not yet run on a GPU, where CUDA graphs are the lever: eager until it is
         return False

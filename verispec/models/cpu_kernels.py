@@ -16,13 +16,14 @@
 
 The library is compiled at torch's own CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`,
 which `ATEN_CPU_CAPABILITY` can lower) with the flags torch builds that level with, into `kernels/`
-under verispec's cache (`$VERISPEC_CACHE`, default `~/.cache/verispec`), keyed by the source,
+under verispec's cache (default `~/.cache/verispec`, verispec/envs.py), keyed by the source,
 torch's version, the level, its flags and the compiler, so a machine builds it once (about 75 s on
 2 cores: the packed matmul's five variants are most of it). A level whose
 build fails falls back to the next one down (AVX512, AVX2, then the portable build); the failure is
 remembered beside the library, with the compiler's full output in a log file, and reported in one
 line, so a machine does not retry it at every start. No compiler, every build failed, or
-`VERISPEC_CPU_KERNELS=0`: attention falls back to SDPA, with the same results up to rounding.
+the kernels switched off in the environment (verispec/envs.py): attention falls back to SDPA, with
+the same results up to rounding.
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ def kernel_build() -> KernelBuild:
 @functools.cache
 def _kernel_build() -> KernelBuild:
     if not envs.cpu_kernels_enabled():
-        return KernelBuild(None, "VERISPEC_CPU_KERNELS=0")
+        return KernelBuild(None, f"{envs.CPU_KERNELS}=0")
     cxx = cxx_compiler()
     if cxx is None:
         return KernelBuild(None, "no C++ compiler; install g++")

@@ -327,7 +327,8 @@ def _fp16_exact(t: torch.Tensor) -> bool:
 
 def packed_wanted(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
     """The fast tier's CPU matrices (and its 8-bit lm_head) run packed when the kernels are here;
-    `VERISPEC_PACKED_KERNEL=0` puts them back on torch's int4 kernel (for comparisons)."""
+    The environment's packed-kernel switch (verispec/envs.py) puts them back on torch's int4
+    kernel (for comparisons)."""
     return (dtype != torch.float32 and torch.device(device).type == "cpu" and packed_format(weight) is not None
             and envs.packed_kernel_enabled() and cpu_kernels_available())
 

@@ -263,7 +263,7 @@ def _gguf_name(name: str) -> str | None:
 
 # --------------------------------------------------------------------------------- tokenizer
 def cache_dir() -> Path:
-    """verispec's on-disk cache: `$VERISPEC_CACHE`, else `$XDG_CACHE_HOME/verispec` (`~/.cache/verispec`)."""
+    """verispec's on-disk cache (verispec/envs.py: `~/.cache/verispec` unless the environment moves it)."""
     return Path(envs.cache_root())
 
 
