@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from conftest import TINY_VOCAB, assert_close_to_oracle, random_prompts
 from test_fast_tier import NGRAM, assert_same_output
-from test_models import hf_logits, run_ours
+from test_llama import hf_logits, run_ours
 from verispec import LLM, SamplingParams
 from verispec.models import compile as compile_mod
 from verispec.models import linear

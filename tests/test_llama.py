@@ -1,4 +1,5 @@
-"""Our forward against HF transformers on the same weights: logits at every position."""
+"""The model forward (models/llama.py, loaded by models/loader.py) against HF transformers on the same
+weights: logits at every position."""
 
 from __future__ import annotations
 
