@@ -55,10 +55,3 @@ def test_every_engine_option_is_a_flag_with_the_configs_own_default():
         sub = parser._subparsers._group_actions[0].choices[command]
         flags = {f for action in sub._actions for f in action.option_strings}
         assert {"--" + o.name.replace("_", "-") for o in user_options()} <= flags, command
-
-
-def test_an_unknown_engine_option_is_named():
-    from verispec import LLM
-
-    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['max_num_seq'\]"):
-        LLM(max_num_seq=3)
