@@ -93,6 +93,24 @@ def test_a_short_pool_preempts_the_latest_admitted_and_admits_nobody():
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def test_drafts_never_preempt_a_request_that_fits_without_them():
+    pool = BlockPool(6, BLOCK)  # 24 token slots
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_request("a", 8), make_request("b", 8)
+    for r in (a, b):
+        sched.add(r)
+    run_step(sched)  # 2 blocks each; their 9th tokens take the last two free blocks
+    a.draft_token_ids = [5, 6, 7, 8]  # 9 + 4 tokens: a fourth block, which only b's could give
+    out = sched.schedule()
+    assert out.preempted == [] and scheduled(out) == {"a": (1, True, []), "b": (1, True, [])}
+    assert pool.num_free_blocks == 0 and len(pool.table("a")) == len(pool.table("b")) == 3
+    # With room, the same drafts get their blocks in the same schedule.
+    sched.finish(b)
+    apply(out)
+    a.draft_token_ids = [5, 6, 7, 8]
+    assert scheduled(sched.schedule())["a"] == (1, True, [5, 6, 7, 8]) and len(pool.table("a")) == 4
+
+
 def step_result(rid: str, **fields) -> StepResult:
     return StepResult({rid: RequestResult(**fields)})
 

@@ -63,9 +63,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            # Drafts ride along only on a plain decode step, and only as far as the budget allows.
+            # Drafts ride along only on a plain decode step, and only as far as the budget allows;
+            # their tokens are charged here, their blocks come once the drafts are decided.
             spec = req.draft_token_ids[: budget - num_new] if num_new == 1 else []
-            if not self._allocate_or_preempt(req, num_new + len(spec), out):
+            if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted; everything after it already was
             entry = self._entry(req, num_new)
             entry.draft_token_ids = spec
@@ -74,12 +75,22 @@ class Scheduler:
             i += 1
         if len(out.preempted) == num_fair:  # a short pool admits nobody new this step
             self._admit(out, budget, running)
-        if self.adaptive is not None:
-            # The step's one draft decision: the plan trims each entry's drafts to the ones worth
-            # verifying. Blocks were allocated for all of them; what the trim and the rejections
-            # leave unused goes back after the step (update_from_output).
-            out.plan = self.adaptive.plan(out.scheduled)
+        self._decide_drafts(out)
         return out
+
+    def _decide_drafts(self, out: SchedulerOutput) -> None:
+        """The step's one draft decision, on the scheduler's own entries: the adaptive plan trims
+        the drafts to the ones worth verifying, with the whole step in view; then each kept draft
+        gets its block. Drafts never preempt: a request whose drafts do not fit in the pool
+        verifies none this step."""
+        if self.adaptive is not None:
+            out.plan = self.adaptive.plan(out.scheduled)
+        for s in out.scheduled:
+            req = s.request
+            if s.draft_token_ids and not self.pool.allocate(req.request_id, req.num_computed_tokens + s.num_scheduled_tokens):
+                s.draft_token_ids = []
+        if out.plan is not None:  # the device admits at most what is left
+            out.plan.budget = min(out.plan.budget, sum(len(s.draft_token_ids) for s in out.scheduled))
 
     def _preempt_for_starved(self, out: SchedulerOutput, running: Counter[str]) -> None:
         """Fair share: when every slot is taken, each waiting group that runs nothing gets one from
