@@ -1,0 +1,41 @@
+"""Checkpoints, precisions and tokenizers (models/loader.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from verispec.models.loader import ModelNotFoundError, load_checkpoint, load_tokenizer, resolve_precision
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        load_checkpoint(str(tmp_path / "nope"), torch.float32)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_checkpoint(str(tmp_path / "empty"), torch.float32)
+
+
+def test_auto_precision_is_the_fast_tier_on_gguf_and_the_checkpoints_own_dtype_elsewhere(smollm2_path, tiny_llama):
+    assert resolve_precision(smollm2_path, None, None) == (torch.bfloat16, "gguf")
+    assert resolve_precision(smollm2_path, torch.float32, "gguf") == (torch.float32, "gguf")  # exact, on the codes
+    assert resolve_precision(tiny_llama, None, "int4") == (torch.bfloat16, "int4")
+    with pytest.raises(ValueError, match="needs a .gguf model file"):
+        resolve_precision(tiny_llama, None, "gguf")
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        resolve_precision(tiny_llama, torch.float32, "int8")
+
+
+def test_a_damaged_tokenizer_cache_is_rebuilt(smollm2_path, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    first = load_tokenizer(smollm2_path)
+    (cached,) = (tmp_path / "tokenizers").iterdir()
+    assert not [p for p in (tmp_path / "tokenizers").iterdir() if ".tmp" in p.name]  # nothing left behind
+    (cached / "tokenizer.json").write_text("{ not json")
+    with caplog.at_level(logging.WARNING, logger="verispec"):
+        again = load_tokenizer(smollm2_path)
+    assert "rebuilding the cached tokenizer" in caplog.text
+    assert again.encode("Hello, world") == first.encode("Hello, world")
+    assert load_tokenizer(smollm2_path).encode("Hello") == first.encode("Hello")  # the rebuilt entry loads
