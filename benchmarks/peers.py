@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.llamacpp import LlamaCppSystem
 from benchmarks.prompts import Prompt
-from benchmarks.system import PEERS, PLAIN, SPEC, SPEC_K, Generation, PeerUnavailable, System
+from benchmarks.system import PEERS, PLAIN, SPEC, SPEC_K, Generation, PeerUnavailable, System, acceptance_from_lengths
 from benchmarks.tiers import EXACT, TIERS, Tier, resolved_precision
 from verispec import envs
 
