@@ -46,3 +46,14 @@ def test_model_drafters_reserve_placeholders_except_for_constrained_requests():
 def test_layer_skip_refuses_more_layers_than_the_target_has():
     with pytest.raises(ValueError, match="num_layers=9 exceeds the target's 4 layers"):
         LayerSkipDrafter(SpeculativeConfig(method="layer_skip", num_layers=9), 4)
+
+
+def test_the_registry_builds_each_methods_drafter():
+    from types import SimpleNamespace
+
+    from verispec.spec_decode.registry import make_drafter
+
+    target = SimpleNamespace(cfg=SimpleNamespace(num_layers=4))
+    assert isinstance(make_drafter(SpeculativeConfig(), target, None, None), NgramDrafter)
+    skip = make_drafter(SpeculativeConfig(method="layer_skip", num_layers=2), target, None, None)
+    assert isinstance(skip, LayerSkipDrafter) and skip.num_layers == 2 and skip.needs_forward
