@@ -140,7 +140,7 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     # The cache keeps 6 + 1 + the accepted draft; the block that held only rejected drafts goes back.
     assert a.num_computed_tokens == 8 and len(pool.table("a")) == 2
     assert a.output_token_ids == [50, 60, 70] and a.draft_token_ids == []
-    assert sched.spec_metrics.as_dict()["accepted_per_position"] == [1, 0, 0]
+    assert sched.spec_metrics.accepted_per_position == [1, 0, 0]
     assert (sched.spec_metrics.num_drafts, sched.spec_metrics.num_draft_tokens) == (1, 3)
     skipped = sched.schedule()
     assert step_through(skipped, step_result("a", sampled=[80]), skip={"a"}) == []

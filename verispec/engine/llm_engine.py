@@ -12,9 +12,9 @@ import torch
 from verispec.config import EngineConfig
 from verispec.distributed.executor import TensorParallel, build_model, rank_threads
 from verispec.distributed.sharding import max_kv_heads_per_rank
-from verispec.engine.kv_cache import BlockPool, bytes_per_block
 from verispec.engine.core_protocol import EngineStats
 from verispec.engine.isolation import execute_isolating_failures
+from verispec.engine.kv_cache import BlockPool, bytes_per_block
 from verispec.engine.output_processor import OutputProcessor
 from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.runner import ModelRunner
@@ -354,7 +354,8 @@ class LLMEngine:
 
     def engine_stats(self) -> EngineStats:
         """The engine's counters and gauges, the one place they are gathered."""
-        m, adaptive, cache = self.spec_metrics, self.adaptive.stats if self.adaptive is not None else None, self.prefix_cache
+        m, cache = self.spec_metrics, self.prefix_cache
+        adaptive = self.adaptive.stats if self.adaptive is not None else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

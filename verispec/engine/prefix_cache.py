@@ -225,13 +225,3 @@ class PrefixCache:
         self.epoch += 1
         self.pool.reset_cache()
         self.rows.clear()
-
-    def stats(self) -> dict:
-        return {
-            "prefix_cache_queries": self.num_queries,
-            "prefix_cache_hits": self.num_hits,
-            "prefix_cache_hit_rate": self.num_hits / self.num_queries if self.num_queries else 0.0,
-            "prefix_cache_prompt_rows_hits": self.num_prompt_rows_hit,
-            "prefix_cache_blocks": self.pool.num_cached_blocks,
-            "prefix_cache_prompt_rows_bytes": self.rows.num_bytes,
-        }

@@ -1,9 +1,10 @@
 """The model runner: flat batch in, sampled tokens and logprobs out, with one D2H copy per step.
 
 One step (docs/design.md, "One step"): a model drafter fills in the drafts the scheduler kept
-(its adaptive plan, if any, rides in the `SchedulerOutput`); the host builds the flat batch and the step's `SpecDecodeMetadata`; one forward;
-prompt rows are scored and every sampled row is verified (zero drafts: plain sampling); then
-everything is copied to the host at once, with a single synchronisation.
+(its adaptive plan, if any, rides in the `SchedulerOutput`); the host builds the flat batch and
+the step's `SpecDecodeMetadata`; one forward; prompt rows are scored and every sampled row is
+verified (zero drafts: plain sampling); then everything is copied to the host at once, with a
+single synchronisation.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import torch
 from verispec.config import EngineConfig
 from verispec.device_copy import to_device
 from verispec.engine.kv_cache import BlockPool
-from verispec.request import Request
 from verispec.engine.step import ScheduledRequest, SchedulerOutput, StepResult
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
 from verispec.outputs import LogprobsTensors
+from verispec.request import Request
 from verispec.sample.metadata import RowSpec
 from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.spec_decode.drafter import DraftInputs

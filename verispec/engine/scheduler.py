@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 from verispec.engine.kv_cache import BlockPool
 from verispec.engine.prefix_cache import PrefixCache
-from verispec.request import Request, RequestStatus
 from verispec.engine.step import ScheduledRequest, SchedulerOutput, StepResult
 from verispec.engine.waiting import WaitingQueue
+from verispec.request import Request, RequestStatus
 from verispec.spec_decode.metrics import SpecDecodeMetrics
 
 if TYPE_CHECKING:

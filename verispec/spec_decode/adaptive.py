@@ -241,16 +241,6 @@ class AdaptiveStats:
     admitted_total: int = 0  # drafts that got logits and verification
     capacity_histogram: list[int] = field(default_factory=list)  # [c] = requests verified with c drafts
 
-    def as_dict(self) -> dict:
-        return {
-            "num_steps": self.num_steps,
-            "budget_total": self.budget_total,
-            "drafted_total": self.drafted_total,
-            "admitted_total": self.admitted_total,
-            "mean_admitted_per_step": self.admitted_total / self.num_steps if self.num_steps else 0.0,
-            "capacity_histogram": list(self.capacity_histogram),
-        }
-
 
 class AdaptiveController:
     """Host side of adaptive verification: confidences, the budget, the trim, the statistics."""

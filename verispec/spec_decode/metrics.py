@@ -16,14 +16,3 @@ class SpecDecodeMetrics:
         self.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             self.accepted_per_position[pos] += 1
-
-    def as_dict(self) -> dict:
-        # Tokens emitted per verify step: the accepted drafts plus the one recovered/bonus token.
-        mean = 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_per_position": list(self.accepted_per_position),
-            "mean_acceptance_length": mean,
-        }
