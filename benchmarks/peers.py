@@ -25,7 +25,7 @@ from benchmarks.llamacpp import LlamaCppSystem
 from benchmarks.prompts import Prompt
 from benchmarks.system import PEERS, PLAIN, SPEC, SPEC_K, Generation, PeerUnavailable, System, acceptance_from_lengths
 from benchmarks.tiers import EXACT, TIERS, Tier, resolved_precision
-from verispec import envs
+from verispec.models.loader import cache_dir
 
 # ------------------------------------------------------------------------------- verispec
 class VerispecSystem:
@@ -94,11 +94,6 @@ class VerispecSystem:
 
 
 # ------------------------------------------------------------------------------------- HF
-def _cache_root() -> Path:
-    # The same place verispec caches its converted tokenizer (verispec.models.loader).
-    return Path(envs.cache_root())
-
-
 def load_hf_model(model_path: str) -> Any:
     """HF's own GGUF conversion of the model, saved once as safetensors and reloaded from there.
 
@@ -111,7 +106,7 @@ def load_hf_model(model_path: str) -> Any:
 
     stat = os.stat(model_path)
     key = hashlib.sha256(f"{os.path.realpath(model_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    cached = _cache_root() / "bench-hf" / key[:16]
+    cached = cache_dir() / "bench-hf" / key[:16]  # beside verispec's own cached tokenizers
     if (cached / "config.json").exists():
         try:
             return AutoModelForCausalLM.from_pretrained(str(cached), dtype=torch.float32).eval()
