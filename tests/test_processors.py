@@ -252,6 +252,28 @@ def test_bad_words_single_and_multi_token():
         torch.testing.assert_close(out[i, keep], logits[i, keep], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("on_device", [0, 1, 2, 3, 4])
+def test_a_device_tail_reads_as_the_host_values_would(on_device):
+    """A model's drafts are placeholders on the host and values on the device: penalties and bad
+    words that reach into them give the logits the host values give."""
+    vocab = 32
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(9)) * 3
+    p = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25,
+                       bad_words=["a", "b c", "d e f"])
+    bad = [[5], [7, 8], [1, 7, 9]]
+    outputs = [[1, 7], [3, 1, 7], [7, 7, 1, 7], [2, 3, 4, 1], [1, 1, 7, 7], [9, 1, 7, 1]]
+    host = [make_row(p, prompt=[2, 4], output=o, bad_words_token_ids=bad) for o in outputs]
+    mixed = []
+    for o in outputs:
+        n = min(on_device, len(o))
+        row = make_row(p, prompt=[2, 4], output=o[: len(o) - n] + [-1] * n, bad_words_token_ids=bad)
+        row.device_tail = torch.tensor(o[len(o) - n :]) if n else None
+        mixed.append(row)
+    expected = run_chain(logits, host)
+    assert torch.isneginf(expected).sum() > len(outputs)  # some multi-token bad words apply
+    torch.testing.assert_close(run_chain(logits, mixed), expected, atol=0, rtol=0)
+
+
 def test_position_independent_rows_skip_history_stages():
     """Prompt rows: allowed ids, logit_bias, temperature, min_p, top-k/top-p only."""
     vocab = 100

@@ -251,6 +251,27 @@ def test_draft_model_greedy_equals_non_speculative(tiny_llama, tiny_draft, k, ba
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip"])
+def test_model_drafts_see_penalties_and_bad_words_on_the_device(tiny_with_tokenizer, method):
+    """A drafter that is the target drafts exactly what the target emits, penalties and bad words
+    included, only if its processors read its own drafts' values (kept on the device)."""
+    path = tiny_with_tokenizer
+    prompts = random_prompts(4, 5, 30, seed=64)
+    penalties = dict(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.4,
+                     frequency_penalty=0.2, logprobs=2, ignore_eos=True)
+    # Bad words taken from what the model says without them, so that they bite.
+    said = LLM(path).generate(prompts[:1], SamplingParams(**penalties), use_tqdm=False)[0].outputs[0].token_ids
+    bad = [f"t{said[3]} t{said[4]}", f"t{said[10]} t{said[11]} t{said[12]}", f"t{said[20]}"]
+    params = [SamplingParams(**penalties, bad_words=bad), SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)] * 2
+    spec = ({"method": "draft_model", "model": path} if method == "draft_model"
+            else {"method": "layer_skip", "num_layers": 2})
+    base, out, stats = run_with_and_without(path, prompts, params, dict(spec, num_speculative_tokens=4))
+    assert base[0].outputs[0].token_ids[:5] != said[:5]  # the first bad word changed the output
+    assert stats["num_draft_tokens"] > 0
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+    assert_same_logprobs(base, out)
+
+
 def test_draft_model_vocab_mismatch_is_a_clear_error(tiny_llama, tmp_path):
     wrong = make_tiny_checkpoint(tmp_path / "w", "llama", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):

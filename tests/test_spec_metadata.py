@@ -24,7 +24,7 @@ def request(rid: str, prompt: list[int], params: SamplingParams | None = None) -
 
 def model_drafts(ids: list[int]) -> ModelDrafts:
     probs = torch.full((len(ids), VOCAB), 1.0 / VOCAB)
-    return ModelDrafts(host_ids=[PLACEHOLDER] * len(ids), token_ids=torch.tensor(ids), probs=probs,
+    return ModelDrafts(token_ids=torch.tensor(ids), probs=probs,
                        confidence=probs.amax(-1))
 
 

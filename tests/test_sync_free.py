@@ -80,20 +80,20 @@ SPECS.update({f"{name}_adaptive": dict(SPECS[name], **ADAPTIVE) for name in ("ng
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_step_reads_nothing_on_the_host_before_the_copy(tiny_llama, monkeypatch, name):
+def test_step_reads_nothing_on_the_host_before_the_copy(tiny_with_tokenizer, monkeypatch, name):
     spec = SPECS[name]
     if name.startswith("draft_model"):
-        spec = dict(spec, model=tiny_llama)
-    llm = LLM(tiny_llama, max_num_batched_tokens=16, block_size=4, speculative_config=spec)
+        spec = dict(spec, model=tiny_with_tokenizer)
+    llm = LLM(tiny_with_tokenizer, max_num_batched_tokens=16, block_size=4, speculative_config=spec)
     calls = guard(llm.engine.runner, monkeypatch)
     prompts = random_prompts(4, 5, 30, seed=80)
     params = [
         SamplingParams(temperature=0, max_tokens=30, logprobs=2, prompt_logprobs=1, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=30, logprobs=3,
                        logprobs_mode="processed_logprobs", ignore_eos=True),
-        # Penalties read draft values on the host in model drafters (documented); elsewhere they're free.
-        SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=30, ignore_eos=True,
-                       **({"repetition_penalty": 1.2} if name.startswith(("plain", "ngram")) else {"min_tokens": 3})),
+        # Penalties and bad words read a model drafter's drafts on the device.
+        SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=30, ignore_eos=True, repetition_penalty=1.2,
+                       frequency_penalty=0.3, bad_words=["t5 t7", "t9"], min_tokens=3),
         SamplingParams(temperature=0, max_tokens=30, logprob_token_ids=[5, 6, 7], ignore_eos=True),
     ]
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -44,7 +44,7 @@ def run_verify(logits, drafts, num_drafts, q=None, greedy=False, seed=0):
         req = Request(f"r{i}", None, [], params, LogprobsMode.RAW_LOGPROBS, RequestNoise(seed + i), frozenset(), 64)
         ids = list(drafts[i][:d])
         if q is not None and d:
-            model_drafts[req.request_id] = ModelDrafts(host_ids=[PLACEHOLDER] * d, token_ids=torch.tensor(ids),
+            model_drafts[req.request_id] = ModelDrafts(token_ids=torch.tensor(ids),
                                                        probs=q[i, :d], confidence=q[i, :d].amax(-1))
             ids = [PLACEHOLDER] * d
         sampled.append(ScheduledRequest(req, 1, True, ids))

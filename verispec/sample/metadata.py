@@ -38,11 +38,16 @@ class RowSpec:
     grammar_mask: bytes | None = None  # structured output: llguidance's bitmask for this row
     purpose: str = "sample"  # which noise stream a random draw of this row uses
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # the request's, tokenized
+    # The values of output_ids' last entries where only the device knows them (a model's drafts,
+    # placeholders on the host): penalties and bad words read them there, with no sync.
+    device_tail: torch.Tensor | None = None
 
     @classmethod
-    def for_request(cls, req: "Request", drafts: list[int] = (), purpose: str = "sample") -> "RowSpec":
+    def for_request(cls, req: "Request", drafts: list[int] = (), purpose: str = "sample",
+                    device_tail: torch.Tensor | None = None) -> "RowSpec":
         """The row that emits the token after req's tokens plus `drafts` (accepted, as far as
-        this row knows: penalties and min_tokens see them)."""
+        this row knows: penalties and min_tokens see them). `device_tail`: the device values of
+        the last drafts, when the host holds placeholders for them."""
         return cls(
             params=req.params,
             prompt_ids=req.prompt_token_ids,
@@ -53,7 +58,13 @@ class RowSpec:
             num_logprobs=req.params.logprobs,
             purpose=purpose,
             bad_words_token_ids=req.bad_words_token_ids,
+            device_tail=device_tail,
         )
+
+    def host_output_ids(self) -> list[int]:
+        """output_ids without the device tail: the values the host knows."""
+        n = 0 if self.device_tail is None else self.device_tail.shape[0]
+        return self.output_ids[: len(self.output_ids) - n]
 
     @property
     def position(self) -> int:

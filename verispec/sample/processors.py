@@ -16,7 +16,7 @@ import torch
 
 from verispec.device_copy import to_device
 from verispec.sample.grammar import apply_bitmask
-from verispec.sample.metadata import SamplingMetadata
+from verispec.sample.metadata import RowSpec, SamplingMetadata
 
 NEG_INF = float("-inf")
 
@@ -44,7 +44,7 @@ def _sparse_entries(md: SamplingMetadata, device: torch.device) -> dict[str, tor
     if "sparse" in md.cache:
         return md.cache["sparse"]
     allow_rows, allow_cols, ban_rows, ban_cols, bias_rows, bias_cols, bias_vals = [], [], [], [], [], [], []
-    has_allow = []
+    has_allow, maybe_rows, maybe_cols, maybe_conds = [], [], [], []
     for i, row in enumerate(md.rows):
         p = row.params
         has_allow.append(bool(p.allowed_token_ids))
@@ -52,20 +52,28 @@ def _sparse_entries(md: SamplingMetadata, device: torch.device) -> dict[str, tor
             allow_rows.extend([i] * len(p.allowed_token_ids))
             allow_cols.extend(p.allowed_token_ids)
         if not row.position_independent:
-            banned = _banned_by_bad_words(row.bad_words_token_ids, row.output_ids)
+            banned, maybe = _banned_by_bad_words(row, device)
             if p.min_tokens and len(row.output_ids) < p.min_tokens:
                 banned.extend(row.stop_ids)
             ban_rows.extend([i] * len(banned))
             ban_cols.extend(banned)
+            for col, cond in maybe:
+                maybe_rows.append(i)
+                maybe_cols.append(col)
+                maybe_conds.append(cond)
         if p.logit_bias:
             bias_rows.extend([i] * len(p.logit_bias))
             bias_cols.extend(p.logit_bias.keys())
             bias_vals.extend(p.logit_bias.values())
     long = lambda x: to_device(x, dtype=torch.long, device=device)  # noqa: E731
+    # A ban the device decides becomes an added -inf or 0: duplicates add up, in any order.
+    maybe_vals = (torch.where(torch.stack(maybe_conds), NEG_INF, 0.0) if maybe_conds
+                  else torch.zeros(0, device=device))
     md.cache["sparse"] = entries = {
         "has_allow": to_device(has_allow, dtype=torch.bool, device=device),
         "allow": (long(allow_rows), long(allow_cols)),
         "ban": (long(ban_rows), long(ban_cols)),
+        "maybe_ban": (long(maybe_rows), long(maybe_cols), maybe_vals),
         "bias": (long(bias_rows), long(bias_cols), to_device(bias_vals, dtype=torch.float32, device=device)),
     }
     return entries
@@ -94,21 +102,33 @@ def _apply_sparse(out: torch.Tensor, md: SamplingMetadata) -> None:
     rows, cols = e["ban"]
     if rows.numel():
         target.index_put_((place(rows), cols), torch.full(cols.shape, NEG_INF, dtype=target.dtype, device=out.device))
-    rows, cols, vals = e["bias"]
-    if rows.numel():
-        target.index_put_((place(rows), cols), vals.to(target.dtype), accumulate=True)
+    for key in ("maybe_ban", "bias"):
+        rows, cols, vals = e[key]
+        if rows.numel():
+            target.index_put_((place(rows), cols), vals.to(target.dtype), accumulate=True)
     if target is not out:
         out.copy_(target[:n])
 
 
-def _banned_by_bad_words(bad_words: list[list[int]], output_ids: list[int]) -> list[int]:
-    """A bad word's last token is banned when the output already ends with the rest of it."""
-    banned = []
-    for seq in bad_words:
+def _banned_by_bad_words(row: RowSpec, device: torch.device) -> tuple[list[int], list[tuple[int, torch.Tensor]]]:
+    """A bad word's last token is banned when the output already ends with the rest of it. Where
+    that ending reaches into the device tail, the device decides: (token, condition) pairs."""
+    banned, maybe = [], []
+    out = row.output_ids
+    known = len(row.host_output_ids())
+    for seq in row.bad_words_token_ids:
         prefix = seq[:-1]
-        if not prefix or output_ids[-len(prefix) :] == prefix:
+        if len(prefix) > len(out):
+            continue
+        on_device = min(len(prefix), len(out) - known)  # the prefix's last entries the device holds
+        if out[len(out) - len(prefix) : len(out) - on_device] != prefix[: len(prefix) - on_device]:
+            continue
+        if not on_device:
             banned.append(seq[-1])
-    return banned
+        else:
+            want = to_device(prefix[-on_device:], dtype=torch.long, device=device)
+            maybe.append((seq[-1], (row.device_tail[-on_device:] == want).all()))
+    return banned, maybe
 
 
 def _penalty_tensors(md: SamplingMetadata, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -127,12 +147,14 @@ def _penalty_tensors(md: SamplingMetadata, vocab: int, device: torch.device) -> 
                                         and not p.frequency_penalty):
             continue  # nothing to apply; its drafts may be placeholders, never read
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        if row.output_ids:
-            ids = to_device(row.output_ids, dtype=torch.long, device=device)
-            counts[i].index_add_(0, ids, torch.ones(len(ids), device=device))
+        host = row.host_output_ids()
+        ids = to_device(host, dtype=torch.long, device=device)
+        if row.device_tail is not None:
+            ids = torch.cat([ids, row.device_tail])
+        if ids.numel():
+            counts[i].index_add_(0, ids, torch.ones(ids.shape[0], device=device))
         if p.repetition_penalty != 1.0:
-            ids = to_device(row.prompt_ids + row.output_ids, dtype=torch.long, device=device)
-            seen[i, ids] = True
+            seen[i, to_device(row.prompt_ids, dtype=torch.long, device=device)] = True  # output: counts > 0
     seen, counts = seen[:, :vocab], counts[:, :vocab]
     seen |= counts > 0
     md.cache["penalty"] = tensors = (rep, pres, freq, seen, counts)

@@ -120,7 +120,8 @@ class ModelDrafter:
             meta = build_attention_metadata(spans, inputs.block_size, dev, model.dtype)
             index = to_device(active, dtype=torch.long, device=dev)
             hidden = model(last[index], to_device(positions, device=dev), meta, kv_layers, self.num_layers)
-            rows = [RowSpec.for_request(jobs[i].request, drafts[i], purpose="draft") for i in active]
+            rows = [RowSpec.for_request(jobs[i].request, drafts[i], purpose="draft",
+                                        device_tail=_tail(jobs[i].request, device_drafts[i])) for i in active]
             md = SamplingMetadata.build(rows, inputs.vocab_size, dev)
             processed = apply_processors(model.compute_logits(hidden), md)
             tokens = sample(processed, md)
@@ -131,15 +132,18 @@ class ModelDrafter:
             # would lean toward the drafter's favourites (docs/adaptive.md).
             conf = q.amax(dim=-1)
             last = last.index_copy(0, index, tokens)
-            # Drafts stay on the device. Only a request whose processors read token values
-            # (penalties, bad words) needs them on the host for the next rows' histories: that
-            # costs one read per draft step, and only then. Elsewhere a placeholder keeps the count.
-            values = tokens.tolist() if any(needs_token_values(jobs[i].request) for i in active) else None
+            # Drafts stay on the device: the host keeps a placeholder per draft (their count), and
+            # processors that read values (penalties, bad words) read the device tail.
             for row, i in enumerate(active):
-                drafts[i].append(values[row] if values is not None else PLACEHOLDER)
+                drafts[i].append(PLACEHOLDER)
                 probs[i].append(q[row])
                 confidence[i].append(conf[row])
                 device_drafts[i].append(tokens[row])
-        return {s.request.request_id: ModelDrafts(host_ids=d, token_ids=torch.stack(t), probs=torch.stack(q),
+        return {s.request.request_id: ModelDrafts(token_ids=torch.stack(t), probs=torch.stack(q),
                                                   confidence=torch.stack(c))
-                for s, d, q, t, c in zip(jobs, drafts, probs, device_drafts, confidence)}
+                for s, q, t, c in zip(jobs, probs, device_drafts, confidence)}
+
+
+def _tail(req: Request, drafted: list[torch.Tensor]) -> torch.Tensor | None:
+    """The device values of a request's drafts so far, where its processors read values."""
+    return torch.stack(drafted) if drafted and needs_token_values(req) else None

@@ -36,7 +36,6 @@ PLACEHOLDER = -1
 class ModelDrafts:
     """One request's drafts from a model drafter, made inside the step; they stay on the device."""
 
-    host_ids: list[int]  # the values where the request's processors read them, else PLACEHOLDER
     token_ids: torch.Tensor  # [d] int64
     probs: torch.Tensor  # [d, V] q: the processed draft distribution
     confidence: torch.Tensor  # [d] q's peak at each position (adaptive verification)
@@ -68,10 +67,13 @@ class SpecDecodeMetadata:
               plan: "AdaptivePlan | None", vocab: int, device: torch.device) -> "SpecDecodeMetadata":
         reqs = [s.request for s in sampled]
         model = [drafts.get(r.request_id) for r in reqs]
-        ids = [m.host_ids if m is not None else s.draft_token_ids for s, m in zip(sampled, model)]
+        # A model's drafts are placeholders on the host; rows read their values on the device.
+        ids = [[PLACEHOLDER] * m.token_ids.shape[0] if m is not None else s.draft_token_ids
+               for s, m in zip(sampled, model)]
         d = [len(x) for x in ids]
         k = max(d)
-        per_request = [[RowSpec.for_request(req, x[:j]) for j in range(len(x) + 1)] for req, x in zip(reqs, ids)]
+        per_request = [[RowSpec.for_request(req, x[:j], device_tail=m.token_ids[:j] if m is not None and j else None)
+                        for j in range(len(x) + 1)] for req, x, m in zip(reqs, ids, model)]
         for req, x, group in zip(reqs, ids, per_request):
             if req.grammar is not None:  # one mask per candidate row (model drafters skip these requests)
                 for spec, mask in zip(group, req.grammar.row_masks(x)):
@@ -83,7 +85,7 @@ class SpecDecodeMetadata:
             draft_ids = to_device([x + [PLACEHOLDER] * (k + 1 - len(x)) for x in ids], dtype=torch.long, device=device)
         if on_device:
             at = [(first + 1 + j, i, j) for i, (m, first) in enumerate(zip(model, first_flat_rows)) if m is not None
-                  for j in range(len(m.host_ids))]
+                  for j in range(m.token_ids.shape[0])]
             fill = tuple(to_device(list(col), dtype=torch.long, device=device) for col in zip(*at))
             draft_ids[fill[1], fill[2]] = torch.cat([m.token_ids for m in model if m is not None])
         meta = cls(
