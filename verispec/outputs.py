@@ -43,6 +43,7 @@ class RequestOutput:
     # Set when the request failed inside the engine (its outputs stop where it failed).
     error: str | None = None
     error_kind: str | None = None  # "invalid": the client's input (its grammar hit a limit); else "internal"
+    weight_version: int | str = 0  # the weights the whole request ran under (LLM.update_weights)
 
     def to_dict(self) -> dict[str, Any]:
         def conv(obj):

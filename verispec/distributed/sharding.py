@@ -94,8 +94,7 @@ class ShardContext:
 
 def _rows(w, lo: int, hi: int):
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(w.bits, w.codes[lo:hi], w.scale[lo:hi],
-                               None if w.offset is None else w.offset[lo:hi], w.group_size)
+        return w.map_rows(lambda t: t[lo:hi])
     return w[lo:hi]
 
 
@@ -104,8 +103,8 @@ def _cols(w, lo: int, hi: int):
         g = w.group_size
         if lo % g or hi % g:  # a shard cut inside a group: its exact values, dense
             return w.dequantize()[:, lo:hi]
-        return QuantizedWeight(w.bits, w.codes[:, lo:hi], w.scale[:, lo // g : hi // g],
-                               None if w.offset is None else w.offset[:, lo // g : hi // g], g)
+        return replace(w, codes=w.codes[:, lo:hi], scale=w.scale[:, lo // g : hi // g],
+                       offset=None if w.offset is None else w.offset[:, lo // g : hi // g])
     return w[:, lo:hi]
 
 
@@ -134,6 +133,5 @@ def shard_checkpoint(cfg: ModelConfig, weights: dict, shard: Shard) -> tuple[Mod
 
 def _copy(w):
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(w.bits, w.codes.clone(), w.scale.clone(),
-                               None if w.offset is None else w.offset.clone(), w.group_size)
+        return w.map_rows(torch.clone)
     return w.clone()

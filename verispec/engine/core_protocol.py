@@ -104,6 +104,8 @@ class EngineStats(msgspec.Struct):
     prefix_cache_prompt_rows_hits: int = 0
     prefix_cache_blocks: int = 0  # blocks the cache holds now
     prefix_cache_prompt_rows_bytes: int = 0  # cached prompt-logprob rows, bytes now
+    weight_version: int | str = 0  # the weights served now (LLM.update_weights)
+    num_weight_updates: int = 0
 
     def as_dict(self) -> dict:
         """`LLM.stats()`: the fields, with the ratios derived from them."""
@@ -127,6 +129,8 @@ class EngineStats(msgspec.Struct):
             "prefix_cache_prompt_rows_hits": self.prefix_cache_prompt_rows_hits,
             "prefix_cache_blocks": self.prefix_cache_blocks,
             "prefix_cache_prompt_rows_bytes": self.prefix_cache_prompt_rows_bytes,
+            "weight_version": self.weight_version,
+            "num_weight_updates": self.num_weight_updates,
         }
         if self.adaptive_capacity_histogram:  # adaptive verification is on
             steps = self.adaptive_steps

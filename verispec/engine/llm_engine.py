@@ -21,6 +21,8 @@ from verispec.engine.runner import ModelRunner
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.startup import RuntimeInfo, StartupLog
 from verispec.engine.step import SchedulerOutput
+from verispec.engine.weight_sync import (UpdateWhileRunning, WeightsLike, WeightUpdate, WeightVersion, WeightVersions,
+                                         timed_update)
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.cpu_kernels import kernel_build
 from verispec.models.default import default_model_path
@@ -51,6 +53,7 @@ class _Parent:
     children: list[Request] = field(default_factory=list)
     error: str | None = None  # set when the request raised inside the engine
     error_kind: str = "internal"  # or "invalid": the client's input failed (a grammar past its limits)
+    weight_version: WeightVersion = 0  # the weights it is generated under, start to finish
 
 
 class LLMEngine:
@@ -136,6 +139,7 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self.num_steps = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
+        self.weight_versions = WeightVersions()
 
     @property
     def spec_metrics(self) -> SpecDecodeMetrics:
@@ -205,7 +209,7 @@ class LLMEngine:
         # Compiled (and checked) before any child is queued: a bad grammar refuses the whole request.
         so = params.structured_outputs
         grammars = [self.grammars.matcher(so) if so else None for _ in range(params.n)]
-        parent = _Parent(request_id, text, ids)
+        parent = _Parent(request_id, text, ids, weight_version=self.weight_versions.current)
         base_seed = params.seed
         if base_seed is None:
             base_seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen))
@@ -283,6 +287,16 @@ class LLMEngine:
         """Forgets every cached prefix (and its prompt rows); running requests keep their blocks."""
         self.prefix_cache.reset()
 
+    def update_weights(self, weights: WeightsLike, weight_version: WeightVersion | None = None) -> WeightUpdate:
+        """New weights in place (verispec/engine/weight_sync.py), then an empty prefix cache. Only
+        while no request is unfinished: each request runs under one weight version."""
+        if self.scheduler.has_unfinished():
+            raise UpdateWhileRunning(f"{len(self._parents)} request(s) unfinished: pause generation "
+                                     "(abort or wait) before updating the weights")
+        done = timed_update(self.model, self.tp, weights, self.weight_versions, weight_version)
+        self.prefix_cache.reset()
+        return done
+
     def request_ids(self) -> list[str]:
         """The user-level ids of every request still held by the engine."""
         return list(self._parents)
@@ -350,6 +364,7 @@ class LLMEngine:
             finished=finished,
             error=parent.error,
             error_kind=parent.error_kind if parent.error is not None else None,
+            weight_version=parent.weight_version,
         )
 
     def engine_stats(self) -> EngineStats:
@@ -377,6 +392,8 @@ class LLMEngine:
             prefix_cache_prompt_rows_hits=cache.num_prompt_rows_hit,
             prefix_cache_blocks=self.pool.num_cached_blocks,
             prefix_cache_prompt_rows_bytes=cache.rows.num_bytes,
+            weight_version=self.weight_versions.current,
+            num_weight_updates=self.weight_versions.num_updates,
         )
 
     def stats(self) -> dict:

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from verispec.config import EngineConfig
 from verispec.engine.llm_engine import LLMEngine
+from verispec.engine.weight_sync import WeightsLike, WeightUpdate, WeightVersion
 from verispec.entrypoints.chat_utils import chat_prompt_ids
 from verispec.outputs import RequestOutput
 from verispec.sampling_params import SamplingParams
@@ -40,6 +41,15 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix, as after a weight update."""
         self.engine.reset_prefix_cache()
+
+    def update_weights(self, weights: WeightsLike, weight_version: WeightVersion | None = None) -> WeightUpdate:
+        """Takes new weights in place, between calls to `generate`: `weights` is a safetensors file
+        or directory, a mapping or an iterable of (name, tensor) in the checkpoint's own (HF) names,
+        any subset of the model's tensors. Quantized tiers re-quantize them as they were loaded. A
+        wrong name, shape or dtype is a ValueError naming the tensor, and nothing changes. Every
+        later output carries `weight_version` (default: the number of updates so far); the prefix
+        cache is emptied. No recompilation, no kernel rebuild (docs/rl.md)."""
+        return self.engine.update_weights(weights, weight_version)
 
     # ------------------------------------------------------------------ generate
     def generate(

@@ -93,6 +93,7 @@ class DecoderLayer(nn.Module):
         self.gate_up = linear(concat_rows([get("gate"), get("up")]))
         self.down = linear(get("down"))
         self.inter = cfg.intermediate_size
+        self.o_rows = self.down_rows = cfg.hidden_size
 
     def forward(self, x, cos, sin):
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
@@ -139,19 +140,25 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(table, requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, dtype, device, parallel) for i in range(n))
         self.norm = RMSNorm(weights["norm"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
-        tied = cfg.tie_word_embeddings or "lm_head" not in weights
-        if tied and quantized_embed:
-            # Past the kernels' rows (prefill-sized batches) the dense table, already in memory for
-            # the lookup, replaces dequantizing 28M weights.
-            self.lm_head = make_linear(embed, dtype, device, head=True, dense=self.embed)
-        else:
-            self.lm_head = make_linear(embed if tied else weights["lm_head"], dtype, device, head=True)
+        self.lm_head = self.make_head(embed, weights.get("lm_head"))
+        # The quantized matrices as loaded: an update of one part of a fused matrix (q of q|k|v)
+        # re-packs it with the others' codes (verispec/models/weights.py).
+        self.sources = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         self.compiled = None  # set by verispec.models.compile
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def make_head(self, embed, lm_head) -> nn.Module:
+        """The lm_head: its own matrix, or the embedding's when tied (or absent)."""
+        tied = self.cfg.tie_word_embeddings or lm_head is None
+        if tied and isinstance(embed, QuantizedWeight):
+            # Past the kernels' rows (prefill-sized batches) the dense table, already in memory for
+            # the lookup, replaces dequantizing 28M weights.
+            return make_linear(embed, self.dtype, self.embed.device, head=True, dense=self.embed)
+        return make_linear(embed if tied else lm_head, self.dtype, self.embed.device, head=True)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -151,13 +151,14 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         for name, tensor in load_file(str(file)).items():
-            ours = _hf_name(name)
+            ours = internal_name(name)
             if ours is not None:
                 weights[ours] = tensor.to(dtype)
     return cfg, weights
 
 
-def _hf_name(name: str) -> str | None:
+def internal_name(name: str) -> str | None:
+    """verispec's name for an HF checkpoint tensor; None for one the model does not use."""
     name = name.removeprefix("model.")
     if name == "embed_tokens.weight":
         return "embed"

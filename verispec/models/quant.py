@@ -14,7 +14,7 @@ stay in fp32 here, so `dequantize()` reproduces the file's values exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -30,6 +30,7 @@ class QuantizedWeight:
     scale: torch.Tensor  # [N, K // group_size] float32
     offset: torch.Tensor | None  # [N, K // group_size] float32; None for 8 bits
     group_size: int = GROUP_SIZE
+    kind: str | None = None  # a GGUF file's block type ("Q4_0", "Q4_1", "Q8_0"); None: round to nearest
 
     @property
     def shape(self) -> torch.Size:
@@ -45,11 +46,9 @@ class QuantizedWeight:
         return w.view(n, k)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "QuantizedWeight":
-        """Apply a row permutation (the same for codes, scales and offsets)."""
-        return QuantizedWeight(
-            self.bits, fn(self.codes), fn(self.scale), None if self.offset is None else fn(self.offset),
-            self.group_size,
-        )
+        """Apply a row selection or permutation (the same for codes, scales and offsets)."""
+        return replace(self, codes=fn(self.codes), scale=fn(self.scale),
+                       offset=None if self.offset is None else fn(self.offset))
 
 
 def concat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":
@@ -60,7 +59,7 @@ def concat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":
         return torch.cat(parts)
     first = parts[0]
     same = all(
-        isinstance(p, QuantizedWeight) and p.bits == first.bits and p.group_size == first.group_size
+        isinstance(p, QuantizedWeight) and (p.bits, p.group_size, p.kind) == (first.bits, first.group_size, first.kind)
         for p in parts
     )
     if not same:
@@ -71,6 +70,7 @@ def concat_rows(parts: list) -> "torch.Tensor | QuantizedWeight":
         torch.cat([p.scale for p in parts]),
         None if first.offset is None else torch.cat([p.offset for p in parts]),
         first.group_size,
+        first.kind,
     )
 
 
@@ -91,14 +91,14 @@ def from_gguf_blocks(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Qua
     d = torch.from_numpy(_halves(raw, 0)[:, 0]).view(n, k // GROUP_SIZE)
     if kind == "Q8_0":
         codes = torch.from_numpy(raw[:, head:].copy().view(np.int8)).view(n, k)
-        return QuantizedWeight(8, codes, d, None)
+        return QuantizedWeight(8, codes, d, None, kind=kind)
     packed = raw[:, head:]
     codes = torch.from_numpy(np.concatenate([packed & 0x0F, packed >> 4], axis=1)).view(n, k)
     if kind == "Q4_0":
         offset = -8.0 * d
     else:
         offset = torch.from_numpy(_halves(raw, 2)[:, 0]).view(n, k // GROUP_SIZE)
-    return QuantizedWeight(4, codes, d, offset)
+    return QuantizedWeight(4, codes, d, offset, kind=kind)
 
 
 # ------------------------------------------------------------------------- round to nearest
@@ -138,3 +138,15 @@ def _fp16_toward(t: torch.Tensor, direction: int) -> torch.Tensor:
     wrong = h.float() > t if direction < 0 else h.float() < t
     step = torch.nextafter(h, torch.full_like(h, float("-inf") if direction < 0 else float("inf")))
     return torch.where(wrong, step, h).float()
+
+
+def requantize(values: torch.Tensor, like: QuantizedWeight) -> QuantizedWeight:
+    """New dense [N, K] values quantized the way `like` was loaded: a GGUF file's blocks with
+    gguf's own quantizer (llama.cpp's reference rounding), else round-to-nearest (`quantize_rtn`)."""
+    if like.kind is None:
+        return quantize_rtn(values, like.bits, like.group_size)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(np.ascontiguousarray(values.detach().float().cpu().numpy()), GGMLQuantizationType[like.kind])
+    return from_gguf_blocks(raw, like.kind, tuple(values.shape))
