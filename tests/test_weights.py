@@ -192,3 +192,24 @@ def test_the_gguf_fast_tier_meets_the_fidelity_bar_with_new_weights(smollm2_path
     _, loaded = load_checkpoint(smollm2_path, torch.bfloat16, "gguf")
     assert {n: (w.bits, w.kind) for n, w in llm.engine.model.sources.items()} == \
            {n: (w.bits, w.kind) for n, w in loaded.items() if hasattr(w, "kind")}
+
+
+@pytest.mark.parametrize("tier", [{"dtype": "float32"}, {"quantization": "int4"}])
+def test_tensor_parallel_ranks_write_their_shards(checkpoints, tier):
+    """TP=2: both ranks take the update (values broadcast, each shards them), as a fresh TP=2 load."""
+    a, b = checkpoints["qwen2"]
+    llm = LLM(a, tensor_parallel_size=2, enforce_eager=True, **tier)
+    try:
+        before = outputs(llm)
+        llm.update_weights(b)
+        after = outputs(llm)
+        with pytest.raises(ValueError, match="has shape"):  # checked on rank 0: the workers never see it
+            llm.update_weights({"model.norm.weight": torch.ones(3)})
+        assert outputs(llm) == after
+    finally:
+        llm.shutdown()
+    fresh = LLM(b, tensor_parallel_size=2, enforce_eager=True, **tier)
+    try:
+        assert after != before and after == outputs(fresh)
+    finally:
+        fresh.shutdown()

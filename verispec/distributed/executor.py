@@ -29,6 +29,7 @@ from verispec.distributed.comm import Rendezvous, TPGroup, WorkerDiedError
 from verispec.distributed.sharding import ShardContext, make_shard, shard_checkpoint
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaModel
+from verispec.models.weights import build_update, prepare
 
 logger = logging.getLogger("verispec.tp")
 
@@ -71,6 +72,12 @@ class ComputeLogits:
 
 
 @dataclass(slots=True)
+class UpdateWeights:
+    model_id: int
+    tensors: list[tuple[str, tuple[int, ...]]]  # verispec's names and full shapes; fp32 values follow by broadcast
+
+
+@dataclass(slots=True)
 class Shutdown:
     pass
 
@@ -107,6 +114,23 @@ def load_shard(group: TPGroup, cfg: ModelConfig, weights: dict, dtype, device) -
     ctx = ShardContext.create(group, cfg)
     local_cfg, local_weights = shard_checkpoint(cfg, weights, ctx.shard)
     return LlamaModel(local_cfg, local_weights, dtype=dtype, device=device, parallel=ctx).eval()
+
+
+def update_shard(group: TPGroup, cfg: ModelConfig, local: LlamaModel, update: dict[str, torch.Tensor]) -> Exception | None:
+    """Every rank: its part of a checked update (whole tensors, `cfg` the whole model's), built and
+    checked on every rank before any rank writes, so that the ranks never hold different weights.
+    Returns this rank's error, or a stand-in for another rank's, when nothing was written."""
+    error, pending = None, None
+    try:
+        _, new = shard_checkpoint(cfg, prepare(update, local), local.parallel.shard)
+        pending = build_update(local, new)
+    except ValueError as exc:
+        error = exc
+    failed = group.all_reduce(torch.full((1,), float(error is not None), device=local.embed.device))
+    if failed.item():
+        return error or ValueError("another tensor-parallel rank could not build its part of the update (see its log)")
+    pending.commit()
+    return None
 
 
 def build_model(cfg: ModelConfig, weights: dict, path, dtype, quantization, device,
@@ -195,6 +219,15 @@ class TensorParallel:
         if failed.item():
             raise RuntimeError(f"{int(failed.item())} tensor-parallel worker(s) failed to load {path} (see their log)")
         return ShardedModel(self, model_id, cfg, local)
+
+    def update_weights(self, model: "ShardedModel", update: dict[str, torch.Tensor]) -> None:
+        """Sends a checked update (verispec's names, whole tensors) to every rank, each writes its shard."""
+        names = list(update)
+        self.send(UpdateWeights(model.model_id, [(n, tuple(update[n].shape)) for n in names]))
+        # fp32 on the wire: every floating dtype a trainer sends converts to it exactly.
+        values = {n: self.group.broadcast(update[n].to(self.device, torch.float32).contiguous()) for n in names}
+        if (error := update_shard(self.group, model.cfg, model.local, values)) is not None:
+            raise error
 
     def new_cache(self, model_id: int, local: LlamaModel, num_blocks: int, block_size: int):
         cache = local.new_kv_cache(num_blocks, block_size)

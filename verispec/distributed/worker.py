@@ -18,7 +18,8 @@ import traceback
 import torch
 
 from verispec.distributed.comm import Rendezvous, TPGroup
-from verispec.distributed.executor import ComputeLogits, Forward, LoadModel, NewCache, Shutdown, load_shard, rank_device
+from verispec.distributed.executor import (ComputeLogits, Forward, LoadModel, NewCache, Shutdown, UpdateWeights,
+                                           load_shard, rank_device, update_shard)
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint
@@ -40,6 +41,7 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: 
             logger.warning("preloading %s failed; rank 0 reports why", preload[0])
     group = TPGroup(rv, device)
     models: dict[int, LlamaModel] = {}
+    configs: dict[int, object] = {}  # each model's whole config (a shard's is its own part)
     caches: dict[int, list] = {}
     with torch.inference_mode():
         while True:
@@ -57,6 +59,7 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: 
                     cfg, weights = early[1] if early is not None and early[0] == key else load_checkpoint(*key)
                     early = None
                     models[op.model_id] = load_shard(group, cfg, weights, op.dtype, device)
+                    configs[op.model_id] = cfg
                     del weights
                 except Exception:  # noqa: BLE001 - counted in the all-reduce below; rank 0 raises
                     logger.error("loading %s failed:\n%s", op.path, traceback.format_exc())
@@ -69,6 +72,11 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: 
                 ids_pos = group.broadcast(torch.empty(2, op.num_tokens, dtype=torch.long, device=device))
                 meta = build_attention_metadata([SeqSpan(*s) for s in op.spans], op.block_size, device, model.dtype)
                 model(ids_pos[0], ids_pos[1], meta, caches[op.cache_id], op.num_layers)
+            elif isinstance(op, UpdateWeights):
+                values = {n: group.broadcast(torch.empty(shape, dtype=torch.float32, device=device))
+                          for n, shape in op.tensors}
+                if (error := update_shard(group, configs[op.model_id], models[op.model_id], values)) is not None:
+                    logger.warning("weight update not applied: %s", error)
             elif isinstance(op, ComputeLogits):
                 model = models[op.model_id]
                 hidden = torch.empty(op.num_rows, model.cfg.hidden_size, dtype=op.dtype, device=device)
