@@ -80,7 +80,9 @@ def sum_stats(stats: Sequence[EngineStats], alive: Sequence[bool]) -> EngineStat
     values: dict = {}
     for name in EngineStats.__struct_fields__:
         parts = [getattr(s, name) for s, live in zip(stats, alive) if live or name not in GAUGE_STATS]
-        if parts and isinstance(parts[0], list):
+        if name in ("weight_version", "num_weight_updates"):  # every replica takes each update: one value
+            values[name] = parts[0] if len(set(parts)) == 1 else ("mixed" if name == "weight_version" else max(parts))
+        elif parts and isinstance(parts[0], list):
             width = max(len(p) for p in parts)
             values[name] = [sum(p[i] for p in parts if i < len(p)) for i in range(width)]
         else:

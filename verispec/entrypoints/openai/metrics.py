@@ -52,6 +52,11 @@ class _EngineCollector:
                                      "CPU capability, kernels, compiled or eager step.", labels=["model_name", *names])
             info.add_metric([model, *(self.metrics.runtime[n] for n in names)], 1.0)
             yield info
+        version = GaugeMetricFamily("verispec:weight_version_info", "The weights served now (always 1): the version "
+                                    "given to update_weights, or the number of updates.", labels=["model_name", "weight_version"])
+        version.add_metric([model, str(s.weight_version)], 1.0)
+        yield version
+        yield counter("weight_updates", "In-place weight updates applied.", s.num_weight_updates)
         used = s.kv_blocks_total - s.kv_blocks_free
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
