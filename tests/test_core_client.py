@@ -14,9 +14,9 @@ import pytest
 import zmq
 
 from verispec import LLM, SamplingParams
-from verispec.engine.core import EngineCore, params_to_wire
+from verispec.engine.core import EngineCore
 from verispec.engine.core_client import AsyncEngineClient
-from verispec.engine.core_protocol import AddRequest, AddRequests, CompletionDelta, CoreOutputs, RequestDelta, Shutdown
+from verispec.engine.core_protocol import Shutdown
 
 GOOD = dict(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -97,35 +97,6 @@ def test_an_unreadable_output_fails_the_request_it_names_alone(wired):
     assert short[-1].error is None and sum(len(c.token_ids) for d in short for c in d.completions) == 3
 
 
-def test_the_core_refuses_an_undecodable_add_alone(tiny_llama):
-    engine = LLM(tiny_llama).engine
-    core = EngineCore(engine, None, None)
-    good = [msgspec.to_builtins(AddRequest(rid, [5, 6, 7], params_to_wire(SamplingParams(**GOOD)))) for rid in "ac"]
-    bad = {"type": "add", "request_id": "b", "prompt_token_ids": ["x"], "params": {}}
-    refused, running = core.receive(msgspec.msgpack.encode({"type": "add_many", "requests": [good[0], bad, good[1]]}))
-    assert running
-    assert [(d.request_id, d.error_kind) for d in refused] == [("b", "invalid")]
-    assert sorted(engine.request_ids()) == ["a", "c"]
-    # Nothing readable at all: nothing to answer, and the core keeps running.
-    assert core.receive(b"\xc1") == ([], True)
-
-
-def test_the_core_fails_an_unencodable_output_alone(tiny_llama):
-    class Sink:
-        def send(self, payload, copy=True):
-            sent.append(bytes(payload))
-
-    sent: list[bytes] = []
-    core = EngineCore(LLM(tiny_llama).engine, None, Sink())
-    ok = RequestDelta("ok", [CompletionDelta(0, [7], "x")], False)
-    bad = RequestDelta("bad", [CompletionDelta(0, [2**70], "y")], True)  # msgpack has no such integer
-    core.send([ok, bad])
-    msg = msgspec.msgpack.Decoder(CoreOutputs).decode(sent[0])
-    by_id = {d.request_id: d for d in msg.deltas}
-    assert by_id["ok"] == ok
-    assert by_id["bad"].finished and "could not be sent" in by_id["bad"].error
-
-
 def test_a_group_travels_from_the_client_to_the_core(wired, monkeypatch):
     client, _ = wired
     sent = []
@@ -141,12 +112,3 @@ def test_a_group_travels_from_the_client_to_the_core(wired, monkeypatch):
     for deltas in asyncio.run(scenario()):
         assert deltas[-1].finished and deltas[-1].error is None
     assert sent == [("a", "http-1"), ("b", None)]
-
-
-def test_the_core_gives_the_group_to_every_child(tiny_llama):
-    engine = LLM(tiny_llama).engine
-    core = EngineCore(engine, None, None)
-    two, one = params_to_wire(SamplingParams(**GOOD, n=2)), params_to_wire(SamplingParams(**GOOD))
-    adds = AddRequests([AddRequest("a", [5, 6, 7], two, group="http-1"), AddRequest("b", [5, 6, 7], one)])
-    assert core.receive(msgspec.msgpack.encode(adds)) == ([], True)
-    assert {r.request_id: r.group for r in engine.scheduler.waiting} == {"a#0": "http-1", "a#1": "http-1", "b": "b"}

@@ -269,13 +269,6 @@ def test_every_level_has_flags_and_the_portable_build_has_none():
     assert not [a for a in portable if a.startswith("-m") or "CPU_CAPABILITY" in a]
 
 
-def test_layout_needs_whole_vectors():
-    assert kernel_layout(torch.device("cpu"), BLOCK, 64)
-    assert not kernel_layout(torch.device("cpu"), 8, 64)  # block size
-    assert not kernel_layout(torch.device("cpu"), BLOCK, 72)  # head size
-    assert not kernel_layout(torch.device("meta"), BLOCK, 64)  # not a CPU
-
-
 @pytest.mark.usefixtures("cpu_kernels_loaded")  # the test order is random: load them here
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("n", [96, 100])  # 100: the last block of 16 columns is padded

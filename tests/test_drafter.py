@@ -1,14 +1,11 @@
-"""Drafters' host side (spec_decode/drafter.py, registry.py): how many drafts a request may carry,
-what prompt lookup proposes at the end of a step, the placeholders of model drafters."""
+"""Drafters' host side (spec_decode/drafter.py): how many drafts a request may carry, what prompt
+lookup proposes at the end of a step, the placeholders of model drafters."""
 
 from __future__ import annotations
-
-import pytest
 
 from test_scheduler import make_request
 from verispec.config import SpeculativeConfig
 from verispec.spec_decode.drafter import ModelDrafter, NgramDrafter, draft_room
-from verispec.spec_decode.layer_skip import LayerSkipDrafter
 from verispec.spec_decode.metadata import PLACEHOLDER
 
 
@@ -41,19 +38,3 @@ def test_model_drafters_reserve_placeholders_except_for_constrained_requests():
     constrained.grammar = object()  # its drafts would need the host mid-step
     drafter.propose([free, constrained], max_model_len=100)
     assert free.draft_token_ids == [PLACEHOLDER] * 3 and constrained.draft_token_ids == []
-
-
-def test_layer_skip_refuses_more_layers_than_the_target_has():
-    with pytest.raises(ValueError, match="num_layers=9 exceeds the target's 4 layers"):
-        LayerSkipDrafter(SpeculativeConfig(method="layer_skip", num_layers=9), 4)
-
-
-def test_the_registry_builds_each_methods_drafter():
-    from types import SimpleNamespace
-
-    from verispec.spec_decode.registry import make_drafter
-
-    target = SimpleNamespace(cfg=SimpleNamespace(num_layers=4))
-    assert isinstance(make_drafter(SpeculativeConfig(), target, None, None), NgramDrafter)
-    skip = make_drafter(SpeculativeConfig(method="layer_skip", num_layers=2), target, None, None)
-    assert isinstance(skip, LayerSkipDrafter) and skip.num_layers == 2 and skip.needs_forward

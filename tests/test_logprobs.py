@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_VOCAB, fp32_tol, hf_model, hf_processed, random_prompts, score_rows
-from verispec import LLM, LogprobsLists, LogprobsTensors, SamplingParams
+from conftest import TINY_VOCAB, fp32_tol, hf_model, hf_processed, random_prompts
+from verispec import LLM, SamplingParams
 
 MODES = ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
@@ -223,45 +223,6 @@ def test_prompt_logprobs_memory_is_bounded(tmp_path):
     for mode in ("raw_logprobs", "processed_logprobs"):
         extra = peaks[mode] - peaks["without"]
         assert extra <= 64 * 2**20, f"{mode}: prompt logprobs took {extra / 2**20:.1f} MiB extra"
-
-
-# ------------------------------------------------------------------ the tensor contract
-def _random_tensors(rows: int, k: int, seed: int, mode: str) -> LogprobsTensors:
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, 64, generator=g) * 3
-    sampled = torch.randint(0, 64, (rows,), generator=g)
-    return score_rows(logits, k, sampled, as_logprobs=mode.endswith("logprobs"))
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_cat_of_chunks_equals_unchunked(mode):
-    g = torch.Generator().manual_seed(16)
-    logits = torch.randn(10, 64, generator=g) * 3
-    sampled = torch.randint(0, 64, (10,), generator=g)
-    as_lp = mode.endswith("logprobs")
-    whole = score_rows(logits, 5, sampled, as_logprobs=as_lp)
-    parts = [score_rows(logits[a:b], 5, sampled[a:b], as_logprobs=as_lp) for a, b in ((0, 3), (3, 10))]
-    joined = LogprobsTensors.cat(parts)
-    assert torch.equal(joined.logprob_token_ids, whole.logprob_token_ids)
-    assert torch.equal(joined.logprobs, whole.logprobs)
-    assert torch.equal(joined.selected_token_ranks, whole.selected_token_ranks)
-    parts[0].cu_num_generated_tokens = torch.tensor([0, 3])
-    with pytest.raises(ValueError):  # boundaries belong to the whole, not to a chunk of rows
-        LogprobsTensors.cat(parts)
-
-
-def test_tolists_slices_by_the_device_boundaries():
-    t = _random_tensors(9, 3, 17, "raw_logprobs")
-    # Requests own 2, 4 and 3 rows; a uniform layout of 3 each would be wrong.
-    t.cu_num_generated_tokens = torch.tensor([0, 2, 6, 9])
-    lists = t.tolists()
-    assert lists.cu_num_generated_tokens == [0, 2, 6, 9]
-    assert isinstance(lists, LogprobsLists)
-    for i, (a, b) in enumerate([(0, 2), (2, 6), (6, 9)]):
-        part = lists.slice_request(i)
-        assert (part.logprobs == t.logprobs[a:b].numpy()).all()
-        assert (part.logprob_token_ids == t.logprob_token_ids[a:b].numpy()).all()
-    assert lists.slice_request(1, 1).logprobs.shape[0] == 1  # only the emitted rows
 
 
 @pytest.mark.slow

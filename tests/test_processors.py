@@ -1,4 +1,5 @@
-"""The logits processor chain, the sampler and logprob scoring, against independent references.
+"""The logits processor chain and logprob scoring, against independent references (the sampler:
+test_sampler.py).
 
 The reference for repetition penalty, temperature, min_p, top_k and top_p is transformers' own
 logits processors/warpers, applied per row in the engine's order.
@@ -10,8 +11,6 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import math
-
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -22,10 +21,8 @@ from transformers.generation.logits_process import (
 from conftest import hf_processed, score_rows
 from verispec.config import LogprobsMode
 from verispec.sample.logprobs import LSE_CHUNK, streaming_logsumexp
-from verispec.sample.noise import RequestNoise
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
-from verispec.sample.sampler import sample
 from verispec.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -290,88 +287,6 @@ def test_position_independent_rows_skip_history_stages():
     biased[0, 3] += 2.0
     expected = TopKLogitsWarper(30)(None, TemperatureLogitsWarper(0.5)(None, biased))
     assert_same_masked_close(out, expected)
-
-
-# ---------------------------------------------------------------- sampler
-def test_greedy_rows_take_argmax():
-    vocab = 500
-    rng = torch.Generator().manual_seed(9)
-    logits = torch.randn(6, vocab, generator=rng)
-    rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(3)]
-    rows += [make_row(SamplingParams(temperature=1.0), noise=RequestNoise(i)) for i in range(3)]
-    md = SamplingMetadata.build(rows, vocab, CPU)
-    tokens = sample(apply_processors(logits, md), md)
-    assert tokens.dtype == torch.int64 and tokens.shape == (6,)
-    assert torch.equal(tokens[:3], logits[:3].argmax(dim=-1))
-
-
-def test_seeded_rows_are_batch_invariant():
-    vocab = 64
-    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(10))
-    target = SamplingParams(temperature=1.5, seed=0)
-    drawn_alone, drawn_batched = [], []
-    for seed in range(30):
-        alone_rows = [make_row(target, noise=RequestNoise(seed))]
-        md = SamplingMetadata.build(alone_rows, vocab, CPU)
-        drawn_alone.append(int(sample(apply_processors(logits, md), md)[0]))
-
-        # Same request at index 2 of a batch with greedy, unseeded and differently-seeded rows.
-        torch.manual_seed(1000 + seed)
-        others = torch.randn(4, vocab)
-        batch_logits = torch.cat([others[:2], logits, others[2:]])
-        rows = [
-            make_row(SamplingParams(temperature=0.0)),
-            make_row(SamplingParams(temperature=0.8, top_k=5), noise=None),
-            make_row(target, noise=RequestNoise(seed)),
-            make_row(SamplingParams(temperature=1.0), noise=RequestNoise(seed + 1)),
-            make_row(SamplingParams(top_p=0.5), noise=RequestNoise(77)),
-        ]
-        md = SamplingMetadata.build(rows, vocab, CPU)
-        drawn_batched.append(int(sample(apply_processors(batch_logits, md), md)[2]))
-    assert drawn_alone == drawn_batched
-    assert len(set(drawn_alone)) > 5  # really random, not argmax
-
-
-def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    nz = probs > 0
-    n = counts.sum().item()
-    expected = probs[nz] * n
-    stat = (((counts[nz] - expected) ** 2) / expected).sum().item()
-    return stat, int(nz.sum().item()) - 1
-
-
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6)])
-def test_sample_matches_distribution_chi_square(params):
-    vocab, draws = 8, 20000
-    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, NEG_INF, 1.5, -1.0])  # token 5 masked
-    rows = [make_row(params, noise=RequestNoise(i)) for i in range(draws)]
-    md = SamplingMetadata.build(rows, vocab, CPU)
-    processed = apply_processors(base.expand(draws, vocab).contiguous(), md)
-    tokens = sample(processed, md)
-    probs = processed[0].double().softmax(-1)
-    assert probs[5] == 0
-    counts = torch.bincount(tokens, minlength=vocab).double()
-    assert counts[probs == 0].sum() == 0, f"masked tokens were drawn: {counts.tolist()}"
-    stat, df = _chi_square(counts, probs)
-    assert stat < df + 10 * math.sqrt(2 * df), (stat, df, counts.tolist(), probs.tolist())
-
-
-def test_sample_never_draws_masked_tokens():
-    vocab = 100
-    rng = torch.Generator().manual_seed(12)
-    rows = [
-        make_row(SamplingParams(temperature=2.0, top_k=3), noise=RequestNoise(i))
-        for i in range(500)
-    ] + [
-        make_row(SamplingParams(temperature=2.0, allowed_token_ids=[4, 9]), noise=RequestNoise(i))
-        for i in range(500)
-    ]
-    logits = torch.randn(len(rows), vocab, generator=rng)
-    md = SamplingMetadata.build(rows, vocab, CPU)
-    processed = apply_processors(logits, md)
-    tokens = sample(processed, md)
-    assert torch.isfinite(processed.gather(1, tokens[:, None])).all()
-    assert set(tokens[500:].tolist()) <= {4, 9}
 
 
 # ---------------------------------------------------------------- logprob scores

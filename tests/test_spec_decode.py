@@ -272,14 +272,6 @@ def test_model_drafts_see_penalties_and_bad_words_on_the_device(tiny_with_tokeni
     assert_same_logprobs(base, out)
 
 
-def test_draft_model_vocab_mismatch_is_a_clear_error(tiny_llama, tmp_path):
-    wrong = make_tiny_checkpoint(tmp_path / "w", "llama", vocab_size=300)
-    with pytest.raises(ValueError, match="vocabulary"):
-        LLM(tiny_llama, speculative_config={"method": "draft_model", "model": wrong})
-    with pytest.raises(ValueError, match="model"):
-        LLM(tiny_llama, speculative_config={"method": "draft_model"})
-
-
 def test_blocks_all_free_after_long_speculative_run(tiny_llama):
     llm = LLM(tiny_llama, block_size=4, max_num_batched_tokens=32,
               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1})

@@ -1,0 +1,83 @@
+"""The verification rules of verispec/spec_decode/rejection.py on hand-built rows: the residual
+distribution, each row's outcome under the greedy, one-hot and q rules (with its draws set by hand,
+so the expected answer is computed here independently), and the assembly of per-row results into
+each request's accepted run."""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.spec_decode.rejection import RowDraws, assemble, residual_distribution, row_outcomes
+
+NO_BONUS = torch.tensor([False, False])
+
+
+def test_residual_of_one_hot_drafts_removes_the_draft_token():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    out = residual_distribution(probs, torch.tensor([0, 2]), None)
+    assert torch.equal(out, torch.tensor([[0.0, 0.3, 0.2], [0.1, 0.1, 0.0]]))
+
+
+def test_residual_of_q_drafts_is_the_positive_part_of_p_minus_q():
+    p, q = torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.2, 0.6, 0.2]])
+    assert torch.allclose(residual_distribution(p, torch.tensor([1]), q), torch.tensor([[0.3, 0.0, 0.0]]))
+
+
+def test_greedy_rows_accept_the_argmax_and_emit_it_otherwise():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
+    out = row_outcomes(logits, torch.tensor([1, 2]), NO_BONUS, RowDraws(greedy=None, race=None))
+    assert out.accept.tolist() == [True, False] and out.emit.tolist() == [1, 0] and out.selected.tolist() == [1, 0]
+
+
+def test_a_bonus_row_is_never_accepted():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    out = row_outcomes(logits, torch.tensor([1]), torch.tensor([True]), RowDraws(greedy=None, race=None))
+    assert out.accept.tolist() == [False] and out.selected.tolist() == [1]  # it emits its own winner
+
+
+def test_one_hot_random_rows_accept_exactly_the_race_winner():
+    logits = torch.zeros(2, 4)  # uniform p: the noise alone picks the winner
+    race = torch.tensor([[1.0, 1.0, 0.1, 1.0], [0.1, 1.0, 1.0, 1.0]])  # winners: 2 and 0 (smallest E)
+    draws = RowDraws(greedy=torch.tensor([False, False]), race=race)
+    out = row_outcomes(logits, torch.tensor([2, 3]), NO_BONUS, draws)
+    assert out.accept.tolist() == [True, False] and out.selected.tolist() == [2, 0]
+
+
+def test_q_rows_accept_when_u_times_q_is_at_most_p_else_draw_from_the_residual():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.25, 0.25]]))
+    q = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.5, 0.25]])  # draft 1 in both rows: p/q = 0.5
+    draws = RowDraws(greedy=torch.tensor([False, False]), race=torch.ones(2, 3), q=q,
+                     uses_q=torch.tensor([True, True]), accept_u=torch.tensor([0.4, 0.6], dtype=torch.float64),
+                     recover=torch.ones(2, 3))
+    out = row_outcomes(logits, torch.tensor([1, 1]), NO_BONUS, draws)
+    assert out.accept.tolist() == [True, False]  # 0.4 * 0.5 <= 0.25 < 0.6 * 0.5
+    assert out.selected[1].item() == 0  # max(p - q, 0) = [0.25, 0, 0]: only token 0 can be drawn
+
+
+def test_a_zero_q_always_rejects():
+    logits = torch.zeros(1, 3)
+    draws = RowDraws(greedy=torch.tensor([False]), race=torch.ones(1, 3), q=torch.tensor([[0.5, 0.0, 0.5]]),
+                     uses_q=torch.tensor([True]), accept_u=torch.tensor([0.0], dtype=torch.float64),
+                     recover=torch.ones(1, 3))
+    assert row_outcomes(logits, torch.tensor([1]), torch.tensor([False]), draws).accept.tolist() == [False]
+
+
+def test_assemble_keeps_the_leading_run_of_accepts_then_one_token():
+    # Request 0: rows j=0..2 (two drafts + bonus), accepts [T, F]; request 1: rows j=0..1, accepts [T].
+    selected = torch.tensor([10, 11, 12, 20, 21])
+    accept = torch.tensor([True, False, False, True, False])
+    row_req, row_j = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 1, 2, 0, 1])
+    out = assemble(selected, accept, row_req, row_j, num_reqs=2, width=3)
+    assert out.num_sampled.tolist() == [2, 2]
+    assert out.sampled.tolist() == [[10, 11, -1], [20, 21, -1]]
+
+
+def test_a_later_accept_after_a_rejection_does_not_count():
+    selected, accept = torch.tensor([1, 2, 3]), torch.tensor([False, True, False])
+    out = assemble(selected, accept, torch.tensor([0, 0, 0]), torch.tensor([0, 1, 2]), num_reqs=1, width=3)
+    assert out.num_sampled.tolist() == [1] and out.sampled.tolist() == [[1, -1, -1]]
+
+
+def test_without_drafts_every_row_is_its_requests_one_token():
+    out = assemble(torch.tensor([4, 5]), torch.tensor([False, False]), torch.tensor([0, 1]), torch.tensor([0, 0]), 2, 1)
+    assert out.sampled.tolist() == [[4], [5]] and out.num_sampled.tolist() == [1, 1]
