@@ -46,11 +46,12 @@ def test_the_prompt_is_the_templates_and_max_completion_tokens_wins(ctx):
     ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"model": "gpt-4"}, "model"),
     ({"max_tokens": 62}, "max_tokens"),  # 4 prompt tokens + 62 > 64
+    ({"max_completion_tokens": 62}, "max_completion_tokens"),  # the field the client sent
 ])
 def test_bad_requests_name_their_field(ctx, body, param):
     with pytest.raises(RequestError) as err:
         prepare_chat(ctx, chat("t5 t6", "t7", **body))
-    assert err.value.param == param
+    assert err.value.param == param and (param in str(err.value) or param == "model")
 
 
 def test_without_a_tokenizer_chat_is_refused():

@@ -108,7 +108,9 @@ class ServingContext:
             raise RequestError(f"the {param} has {num_chars} characters, more than {limit} tokens can hold; "
                                f"this server accepts at most {limit} tokens", param)
 
-    def check_prompt_len(self, num_tokens: int, max_tokens: int | None, param: str) -> None:
+    def check_prompt_len(self, num_tokens: int, max_tokens: int | None, param: str,
+                         max_tokens_name: str = "max_tokens") -> None:
+        """`max_tokens_name`: the field the client set (chat's max_completion_tokens, where given)."""
         if num_tokens == 0:
             raise RequestError(f"{param} must not be empty", param)
         # A server-set cap below the context gets its own message; the context check follows.
@@ -125,7 +127,8 @@ class ServingContext:
         if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num_tokens} prompt "
-                f"tokens plus max_tokens={max_tokens} need {num_tokens + max_tokens}; lower max_tokens", "max_tokens"
+                f"tokens plus {max_tokens_name}={max_tokens} need {num_tokens + max_tokens}; lower {max_tokens_name}",
+                max_tokens_name,
             )
 
     def check_token_ids(self, ids: list[int], param: str) -> None:

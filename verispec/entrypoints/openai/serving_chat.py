@@ -61,7 +61,7 @@ def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest):
     logprobs = (req.top_logprobs or 0) if req.logprobs and req.logprob_token_ids is None else None
     params = sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
                              renames={"logprobs": "top_logprobs", "max_tokens": max_name}, tool_grammar=tool_schema(req))
-    ctx.check_prompt_len(len(ids), max_tokens, "messages")
+    ctx.check_prompt_len(len(ids), max_tokens, "messages", max_name)
     return ids, params
 
 
