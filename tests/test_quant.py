@@ -156,3 +156,27 @@ def test_quant_linear_on_cuda(bits, rows):
     w = q.dequantize()
     y = layer(x.bfloat16().cuda()).float().cpu()
     assert ((y - x @ w.t()).abs() <= _bound(x, w, 6.0)).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_quantization_is_the_reference_bit_for_bit(kind):
+    """verispec's torch quantizer against gguf's (llama.cpp's reference rounding), on blocks that
+    probe the edges: zeros, constants, ties of magnitude, halves, and a wide spread of scales."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from verispec.models.quant import from_gguf_blocks, quantize_gguf
+
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(64, 256, generator=g) * torch.logspace(-4, 2, 64)[:, None]]
+    edge = torch.zeros(4, 256)
+    edge[1] = 0.5  # a constant block
+    edge[2, :32] = torch.tensor([3.0, -3.0] * 16)  # equal magnitudes of both signs
+    edge[3] = (torch.arange(256) % 32 - 16) / 2  # exact halves
+    rows.append(edge)
+    x = torch.cat(rows)
+    ref = from_gguf_blocks(quantize(x.numpy(), GGMLQuantizationType[kind]), kind, tuple(x.shape))
+    ours = quantize_gguf(x, kind)
+    assert ours.kind == ref.kind == kind and ours.bits == ref.bits
+    assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale, ref.scale)
+    assert (ours.offset is None and ref.offset is None) or torch.equal(ours.offset, ref.offset)

@@ -108,6 +108,7 @@ def test_a_bad_tensor_is_named_and_nothing_changes(checkpoints):
         "has shape": {q: good[q][:-1]},
         "has dtype": {q: good[q].to(torch.int32)},
         "not a tensor": {q: good[q].tolist()},
+        "NaN or infinite": {q: good[q] / 0},
     }
     for message, wrong in bad.items():
         with pytest.raises(ValueError, match=message):

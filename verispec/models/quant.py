@@ -141,12 +141,50 @@ def _fp16_toward(t: torch.Tensor, direction: int) -> torch.Tensor:
 
 
 def requantize(values: torch.Tensor, like: QuantizedWeight) -> QuantizedWeight:
-    """New dense [N, K] values quantized the way `like` was loaded: a GGUF file's blocks with
-    gguf's own quantizer (llama.cpp's reference rounding), else round-to-nearest (`quantize_rtn`)."""
+    """New dense [N, K] values quantized the way `like` was loaded: a GGUF file's blocks as
+    llama.cpp's reference quantizer makes them (`quantize_gguf`), else round-to-nearest."""
     if like.kind is None:
         return quantize_rtn(values, like.bits, like.group_size)
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
+    return quantize_gguf(values, like.kind)
 
-    raw = quantize(np.ascontiguousarray(values.detach().float().cpu().numpy()), GGMLQuantizationType[like.kind])
-    return from_gguf_blocks(raw, like.kind, tuple(values.shape))
+
+def quantize_gguf(values: torch.Tensor, kind: str) -> QuantizedWeight:
+    """Q4_0, Q4_1 or Q8_0 blocks of a dense [N, K] matrix, bit for bit what gguf's quantizer (the
+    reference rounding of llama.cpp's ggml-quants.c) writes, in torch's threads: each step is
+    its fp32 operation in its order, the scale rounded to fp16 only once the codes are made."""
+    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+        raise ValueError(f"no quantizer for GGUF type {kind}")
+    n, k = values.shape
+    # In slices of blocks: the temporaries stay a few MB (fresh pages for a whole 28M-value
+    # embedding cost more than the arithmetic).
+    parts = [_gguf_blocks(x, kind) for x in values.detach().reshape(-1, GROUP_SIZE).split(1 << 15)]
+    codes, scale, offset = (torch.cat(t) if t[0] is not None else None for t in zip(*parts))
+    return QuantizedWeight(8 if kind == "Q8_0" else 4, codes.view(n, k), scale.view(n, -1),
+                           None if offset is None else offset.view(n, -1), kind=kind)
+
+
+def _gguf_blocks(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(codes, fp16-exact scales, offsets) of [B, 32] blocks."""
+    x = x.float()
+    if kind == "Q8_0":
+        d = x.abs().amax(1, keepdim=True) / 127
+        return _round_half_away(x * _inverse(d)).to(torch.int8), d.half().float(), None
+    if kind == "Q4_0":
+        d = x.gather(1, x.abs().argmax(1, keepdim=True)) / -8  # the first of the largest magnitudes
+        scale = d.half().float()
+        return torch.trunc(x * _inverse(d) + 8.5).clamp_(0, 15).to(torch.uint8), scale, -8.0 * scale
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    d = (hi - lo) / 15
+    codes = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp_(0, 15).to(torch.uint8)
+    return codes, d.half().float(), lo.half().float()
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def _round_half_away(t: torch.Tensor) -> torch.Tensor:
+    """C's roundf, as gguf spells it: |t|'s floor plus one where its fraction is at least a half."""
+    a = t.abs()
+    floored = a.floor()
+    return a.sub_(floored).mul_(2).floor_().add_(floored).copysign_(t)

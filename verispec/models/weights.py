@@ -63,7 +63,7 @@ def read_safetensors(path: str | Path) -> list[tuple[str, torch.Tensor]]:
 
 def check_update(named: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The update under verispec's names; a ValueError naming the first tensor that is not one of
-    the model's (name), does not fit (shape) or is not floating point (dtype)."""
+    the model's (name), does not fit (shape), is not floating point (dtype) or not finite."""
     shapes = expected_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     tied_head = None
@@ -82,6 +82,9 @@ def check_update(named: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) ->
             raise ValueError(f"weights[{hf!r}] has shape {tuple(tensor.shape)}; the model's is {shapes[ours]}")
         if not tensor.is_floating_point():
             raise ValueError(f"weights[{hf!r}] has dtype {tensor.dtype}; expected a floating-point tensor")
+        # One pass, no allocation: the sum is NaN or infinite if a value is (or if they are absurdly large).
+        if not torch.isfinite(tensor.sum(dtype=torch.float32)):
+            raise ValueError(f"weights[{hf!r}] holds NaN or infinite values")
         out[ours] = tensor.detach()
     if tied_head is not None and not ("embed" in out and torch.equal(tied_head[1], out["embed"])):
         raise ValueError(f"weights[{tied_head[0]!r}]: the model ties its head to the embedding; "
