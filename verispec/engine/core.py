@@ -19,9 +19,11 @@ import zmq
 from verispec.config import EngineConfig
 from verispec.distributed.comm import WorkerDiedError
 from verispec.engine.core_protocol import (
-    AbortRequests, AddRequest, AddRequests, CompletionDelta, CoreFailed, CoreInput, CoreOutputs, CoreReady,
-    LogprobRow, RequestDelta, ResetPrefixCache, Shutdown, split_encodable,
+    AbortRequests, AddRequest, AddRequests, CompletionDelta, ContinueGeneration, ControlReply, CoreFailed, CoreInput,
+    CoreOutputs, CoreReady, LogprobRow, PauseGeneration, RequestDelta, ResetPrefixCache, Shutdown,
+    UpdateWeightsFromDisk, split_encodable,
 )
+from verispec.engine.pause import GenerationGate
 from verispec.outputs import Logprob, RequestOutput
 from verispec.sampling_params import SamplingParams
 
@@ -125,6 +127,8 @@ class EngineCore:
         self.in_sock = in_sock
         self.out_sock = out_sock
         self.tracker = DeltaTracker()
+        self.gate = GenerationGate(engine)
+        self.replies: list[ControlReply] = []  # sent after the outputs of the same iteration
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.encoder = msgspec.msgpack.Encoder()
         self._parent_pid = os.getppid()
@@ -144,6 +148,9 @@ class EngineCore:
                                            error_kind="internal"))
             payload = self.encoder.encode(CoreOutputs(deltas, stats))
         self.out_sock.send(payload, copy=False)
+        replies, self.replies = self.replies, []
+        for reply in replies:
+            self.out_sock.send(self.encoder.encode(reply))
 
     def receive(self, data: bytes) -> tuple[list[RequestDelta], bool]:
         """Decodes and applies one input. An input that does not decode refuses the requests it
@@ -172,6 +179,8 @@ class EngineCore:
             refused = [d for add in msg.requests for d in self.handle(add)[0]]
             return refused, True
         if isinstance(msg, AddRequest):
+            if self.gate.hold(msg):
+                return [], True
             try:
                 params = SamplingParams(**msg.params)
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, group=msg.group)
@@ -180,6 +189,7 @@ class EngineCore:
             self.tracker.start(msg.request_id, params)
             return [], True
         if isinstance(msg, AbortRequests):
+            self.gate.forget(msg.request_ids)
             for rid in msg.request_ids:
                 self.engine.abort_request(rid)
                 self.tracker.forget(rid)
@@ -187,12 +197,27 @@ class EngineCore:
         if isinstance(msg, ResetPrefixCache):
             self.engine.reset_prefix_cache()
             return [], True
-        return [], not isinstance(msg, Shutdown)
+        return self.control(msg)
+
+    def control(self, msg) -> tuple[list[RequestDelta], bool]:
+        """Pause, continue, weight update (engine/pause.py); Shutdown stops the loop."""
+        deltas: list[RequestDelta] = []
+        if isinstance(msg, PauseGeneration):
+            aborted, replies = self.gate.pause(msg)
+            deltas = [self.tracker.delta(out) for out in aborted]
+            self.replies += replies
+        elif isinstance(msg, ContinueGeneration):
+            backlog, replies = self.gate.resume(msg)
+            deltas = [d for add in backlog for d in self.handle(add)[0]]
+            self.replies += replies
+        elif isinstance(msg, UpdateWeightsFromDisk):
+            self.replies.append(self.gate.update(msg))
+        return deltas, not isinstance(msg, Shutdown)
 
     def run(self) -> None:
         running = True
         while running:
-            busy = self.engine.has_unfinished_requests()
+            busy = self.gate.steps and self.engine.has_unfinished_requests()
             deltas: list[RequestDelta] = []
             touched = False
             if not busy and not self.in_sock.poll(_IDLE_POLL_MS):
@@ -204,10 +229,11 @@ class EngineCore:
                 refused, running = self.receive(self.in_sock.recv())
                 deltas.extend(refused)
                 touched = True
-            if running and self.engine.has_unfinished_requests():
+            if running and self.gate.steps and self.engine.has_unfinished_requests():
                 deltas.extend(self.step())
                 touched = True
-            if touched:
+            self.replies += self.gate.drained()
+            if touched or self.replies:
                 self.send(deltas)
 
     def step(self) -> list[RequestDelta]:

@@ -22,7 +22,8 @@ import zmq.asyncio
 from verispec.config import EngineConfig
 from verispec.engine.core import params_to_wire, run_engine_core
 from verispec.engine.core_protocol import (
-    AbortRequests, AddRequest, AddRequests, CoreFailed, CoreMessage, CoreOutputs, CoreReady, EngineStats, RequestDelta, ResetPrefixCache, Shutdown,
+    AbortRequests, AddRequest, AddRequests, ContinueGeneration, ControlReply, CoreFailed, CoreMessage, CoreOutputs,
+    CoreReady, EngineStats, PauseGeneration, RequestDelta, ResetPrefixCache, Shutdown, UpdateWeightsFromDisk,
     split_encodable,
 )
 from verispec.sampling_params import SamplingParams
@@ -59,6 +60,8 @@ class AsyncEngineClient:
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self._stats_listeners: list = []
         self._pending_adds: list[AddRequest] = []
+        self._calls: dict[int, asyncio.Future] = {}  # control inputs awaiting their ControlReply
+        self._num_calls = 0
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -193,6 +196,27 @@ class AsyncEngineClient:
         self._flush_adds()  # requests queued before the reset reach the core before it
         self._in.send(self._encoder.encode(ResetPrefixCache()))
 
+    # ------------------------------------------------------------------ control (engine/pause.py)
+    async def pause_generation(self, mode: str) -> ControlReply:
+        return await self._control(lambda call: PauseGeneration(call, mode))
+
+    async def continue_generation(self) -> ControlReply:
+        return await self._control(ContinueGeneration)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int | str | None) -> ControlReply:
+        return await self._control(lambda call: UpdateWeightsFromDisk(call, path, weight_version))
+
+    async def _control(self, make) -> ControlReply:
+        """Sends a control input after every request queued before it; waits for its reply."""
+        if self.dead:
+            raise EngineDeadError(self.dead_reason)
+        self._flush_adds()
+        self._num_calls += 1
+        future = asyncio.get_running_loop().create_future()
+        self._calls[self._num_calls] = future
+        self._in.send(self._encoder.encode(make(self._num_calls)))
+        return await future
+
     # ------------------------------------------------------------------ background tasks
     async def _output_loop(self) -> None:
         while True:
@@ -204,6 +228,11 @@ class AsyncEngineClient:
                 continue
             if isinstance(msg, CoreFailed):  # the core is stopping; the watchdog reports this reason
                 self._failure = msg.message
+                continue
+            if isinstance(msg, ControlReply):
+                future = self._calls.pop(msg.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(msg)
                 continue
             if not isinstance(msg, CoreOutputs):
                 continue
@@ -239,3 +268,6 @@ class AsyncEngineClient:
         logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._queues))
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(self.dead_reason))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(self.dead_reason))

@@ -44,7 +44,33 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-CoreInput = AddRequest | AddRequests | AbortRequests | ResetPrefixCache | Shutdown
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class PauseGeneration(msgspec.Struct, tag="pause"):
+    """Stop generating (engine/core.py, `GenerationGate`): `abort` finishes every unfinished
+    request now (finish_reason "abort"), `wait` lets them finish, `keep` holds them where they
+    are. Requests that arrive while paused wait for ContinueGeneration. Answered by a ControlReply
+    once paused (for `wait`, once the last one finished)."""
+
+    call_id: int
+    mode: str = "abort"
+
+
+class ContinueGeneration(msgspec.Struct, tag="continue"):
+    call_id: int
+
+
+class UpdateWeightsFromDisk(msgspec.Struct, tag="update_weights"):
+    """LLM.update_weights on a safetensors file or directory; refused while requests are unfinished."""
+
+    call_id: int
+    path: str
+    weight_version: int | str | None = None
+
+
+CoreInput = (AddRequest | AddRequests | AbortRequests | ResetPrefixCache | Shutdown | PauseGeneration
+             | ContinueGeneration | UpdateWeightsFromDisk)
 
 
 # --------------------------------------------------------------------------------- from the core
@@ -169,7 +195,17 @@ class CoreFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-CoreMessage = CoreOutputs | CoreReady | CoreFailed
+class ControlReply(msgspec.Struct, tag="reply"):
+    """The answer to a control input (pause, continue, update), by its call id."""
+
+    call_id: int
+    ok: bool
+    message: str = ""
+    error_kind: str | None = None  # "invalid" (the caller's input: 400) or "conflict" (the engine's state: 409)
+    result: dict[str, Any] = {}
+
+
+CoreMessage = CoreOutputs | CoreReady | CoreFailed | ControlReply
 
 
 def split_encodable(encoder: msgspec.msgpack.Encoder, items: list) -> tuple[list, list[tuple[Any, Exception]]]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from verispec.config import EngineConfig
 from verispec.engine.core_client import AsyncEngineClient, EngineDeadError
-from verispec.engine.core_protocol import CoreReady, EngineStats, RequestDelta
+from verispec.engine.core_protocol import ControlReply, CoreReady, EngineStats, RequestDelta
 from verispec.engine.prefix_cache import chain_hash
 from verispec.sampling_params import SamplingParams
 
@@ -336,3 +336,24 @@ class DPEngineClient:
         for replica in live:
             replica.reset_prefix_cache()
         self.router.reset_prefix_memory()
+
+    # ------------------------------------------------------------------ control (engine/pause.py)
+    async def pause_generation(self, mode: str) -> ControlReply:
+        return await self._every_replica(lambda r: r.pause_generation(mode))
+
+    async def continue_generation(self) -> ControlReply:
+        return await self._every_replica(lambda r: r.continue_generation())
+
+    async def update_weights_from_disk(self, path: str, weight_version: int | str | None) -> ControlReply:
+        reply = await self._every_replica(lambda r: r.update_weights_from_disk(path, weight_version))
+        if reply.ok:
+            self.router.reset_prefix_memory()  # the replicas emptied their prefix caches
+        return reply
+
+    async def _every_replica(self, call) -> ControlReply:
+        """The same control input to every live replica: the first refusal, else replica 0's reply."""
+        live = [r for r in self.replicas if not r.dead]
+        if not live:
+            raise EngineDeadError(self.dead_reason)
+        replies = await asyncio.gather(*(call(r) for r in live))
+        return next((r for r in replies if not r.ok), replies[0])

@@ -32,9 +32,8 @@ from verispec.request import Request, RequestStatus
 from verispec.sample.grammar import GrammarCompiler
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
-from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 from verispec.spec_decode.metrics import SpecDecodeMetrics
-from verispec.spec_decode.registry import make_drafter
+from verispec.spec_decode.registry import make_adaptive, make_drafter
 from verispec.tokenization import text_encoder
 
 logger = logging.getLogger("verispec")
@@ -121,7 +120,8 @@ class LLMEngine:
         self.drafter = make_drafter(spec, self.model, self.tokenizer, config) if spec else None
         # Adaptive verification: the scheduler plans each step's drafts with it, the engine feeds
         # it each step's measured cost.
-        self.adaptive = self._adaptive_controller(config) if spec is not None and spec.adaptive_verification else None
+        self.adaptive = (make_adaptive(config, self.model, self.drafter)
+                         if spec is not None and spec.adaptive_verification else None)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0), self.adaptive,
                                    self.prefix_cache)
@@ -144,18 +144,6 @@ class LLMEngine:
     @property
     def spec_metrics(self) -> SpecDecodeMetrics:
         return self.scheduler.spec_metrics
-
-    def _adaptive_controller(self, config: EngineConfig) -> AdaptiveController:
-        spec = config.speculative
-        k = spec.num_speculative_tokens
-        if spec.cost_table is not None:
-            cost = CostModel([int(n) for n, _ in spec.cost_table], [float(t) for _, t in spec.cost_table])
-        else:
-            most = min(config.max_num_batched_tokens, config.max_num_seqs * (k + 1))
-            cost = CostModel.profile(self.model, config.block_size, most, config.device)
-            logger.info("adaptive verification cost table: %s",
-                        ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(cost.tokens, cost.seconds)))
-        return AdaptiveController(k, cost, exact_host_scores=not self.drafter.needs_forward)
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -263,15 +251,16 @@ class LLMEngine:
                 seqs.append(ids)
         return seqs
 
-    def abort_request(self, request_id: str) -> None:
-        parent = self._parents.pop(request_id, None)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request; returns its last output (finish_reason "abort"), None for an unknown id."""
+        parent = self._parents.get(request_id)
         if parent is None:
-            return
+            return None
         for req in parent.children:
             if not req.is_finished:
                 req.status = RequestStatus.FINISHED_ABORTED
             self.scheduler.finish(req)
-            self._child_parent.pop(req.request_id, None)
+        return self._parent_output(request_id)  # finished: the parent is forgotten
 
     def check_workers(self) -> None:
         """Raises WorkerDiedError if a tensor-parallel worker this engine started has exited."""
@@ -288,8 +277,8 @@ class LLMEngine:
         self.prefix_cache.reset()
 
     def update_weights(self, weights: WeightsLike, weight_version: WeightVersion | None = None) -> WeightUpdate:
-        """New weights in place (verispec/engine/weight_sync.py), then an empty prefix cache. Only
-        while no request is unfinished: each request runs under one weight version."""
+        """New weights in place (engine/weight_sync.py), then an empty prefix cache; only while no
+        request is unfinished: each request runs under one weight version."""
         if self.scheduler.has_unfinished():
             raise UpdateWhileRunning(f"{len(self._parents)} request(s) unfinished: pause generation "
                                      "(abort or wait) before updating the weights")

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.config import EngineConfig
 from verispec.engine.dp_client import DPEngineClient
+from verispec.entrypoints.openai.admin import add_control_routes
 from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
 from verispec.entrypoints.openai.preprocess import PendingWork
 from verispec.entrypoints.openai.metrics import ServerMetrics
@@ -264,6 +265,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         ctx.client.reset_prefix_cache()
         return Response(status_code=200)
 
+    add_control_routes(app, check_api_key, _ctx, _admit)
     tokenizer_auth = [] if config.open_tokenizer_routes else [Depends(check_api_key)]
 
     def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
