@@ -6,6 +6,7 @@ equals a fresh engine's on the same weights."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -108,6 +109,12 @@ def test_pause_update_continue(server, weights_b, tiny_with_tokenizer):
         ["t5 t6 t7"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
     assert answer[0]["text"] == fresh.outputs[0].text != before["text"]
     assert 'weight_version="b"' in server.get("/metrics").text
+    # Every answer says which weights made it (an extension field), streamed or not.
+    r = server.post("/v1/completions", {"prompt": "t5", "max_tokens": 2})
+    assert r.json()["weight_version"] == "b"
+    r = server.post("/v1/completions", {"prompt": "t5", "max_tokens": 2, "stream": True}, stream=True)
+    chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    assert chunks and all(c["weight_version"] == "b" for c in chunks)
 
 
 def test_kept_requests_block_an_update_and_then_finish(server, tiny_with_tokenizer):

@@ -80,3 +80,27 @@ def test_a_completed_forced_answer_becomes_tool_calls():
     assert reason == "tool_calls" and message.content is None and message.tool_calls[0].function.name == "f"
     cut, reason = _answer(req, '{"a": ', "length")  # cut short by max_tokens: the text, as it is
     assert (cut.content, cut.tool_calls, reason) == ('{"a": ', None, "length")
+
+
+def test_the_answer_and_its_chunks_say_which_weights_made_it(tiny_with_tokenizer):
+    import asyncio
+    import json
+
+    from test_serving import ScriptedClient
+    from verispec.engine.core_protocol import CompletionDelta, RequestDelta
+    from verispec.entrypoints.openai.serving_chat import create_chat, stream_chat
+
+    tok = load_tokenizer(tiny_with_tokenizer)
+    tok.chat_template = TEMPLATE
+    deltas = [RequestDelta("x", [CompletionDelta(0, [7], "t7")], False, weight_version="v3"),
+              RequestDelta("x", [CompletionDelta(0, [8], " t8", None, "length")], True, weight_version="v3")]
+    ctx = make_ctx(tok, client=ScriptedClient(deltas))
+    req = chat("t5", max_tokens=2)
+    answer = asyncio.run(create_chat(ctx, req, prepare_chat(ctx, req)))
+    assert answer.weight_version == "v3"
+
+    async def chunks():
+        return [c async for c in stream_chat(ctx, req, prepare_chat(ctx, req))]
+    bodies = [json.loads(c[6:]) for c in asyncio.run(chunks()) if c.startswith("data: {")]
+    from_engine = [b for b in bodies if b["choices"] and b["choices"][0]["delta"].get("content")]
+    assert from_engine and all(b["weight_version"] == "v3" for b in from_engine)

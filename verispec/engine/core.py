@@ -114,8 +114,8 @@ class DeltaTracker:
             self.forget(out.request_id)
         if out.error is not None:
             return RequestDelta(out.request_id, completions, True, prompt, error=out.error,
-                                error_kind=out.error_kind or "internal")
-        return RequestDelta(out.request_id, completions, out.finished, prompt)
+                                error_kind=out.error_kind or "internal", weight_version=out.weight_version)
+        return RequestDelta(out.request_id, completions, out.finished, prompt, weight_version=out.weight_version)
 
 
 class EngineCore:

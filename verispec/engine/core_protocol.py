@@ -102,6 +102,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     # A request the core refused (bad params) or that failed inside the engine.
     error: str | None = None
     error_kind: str | None = None  # "invalid" (the client's fault) or "internal"
+    weight_version: int | str | None = None  # the weights the request runs under (LLM.update_weights)
 
 
 class EngineStats(msgspec.Struct):

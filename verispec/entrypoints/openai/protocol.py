@@ -236,6 +236,8 @@ class CompletionResponse(_Model):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # verispec's extension: the weights the answer was generated under (POST /update_weights_from_disk).
+    weight_version: int | str | None = None
 
 
 class TopLogprob(_Model):
@@ -274,6 +276,7 @@ class ChatCompletionResponse(_Model):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    weight_version: int | str | None = None  # as in CompletionResponse
 
 
 class DeltaMessage(_Model):
@@ -297,6 +300,7 @@ class ChatCompletionChunk(_Model):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    weight_version: int | str | None = None  # as in CompletionResponse; on chunks made from the engine's output
 
 
 class ModelCard(_Model):

@@ -231,6 +231,7 @@ class PromptResult:
     prompt_ids: list[int]
     choices: list[ChoiceState]
     prompt_rows: list[LogprobRow | None] | None = None
+    weight_version: int | str | None = None
 
 
 async def stream_request(ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -271,6 +272,7 @@ async def collect(ctx: ServingContext, request_id: str, prompt_ids: list[int], p
     async for delta in stream_request(ctx, request_id, prompt_ids, params, group, grammar_param):
         if delta.prompt_logprobs is not None:
             result.prompt_rows = delta.prompt_logprobs
+        result.weight_version = delta.weight_version
         for comp in delta.completions:
             result.choices[comp.index].add(comp)
     return result

@@ -122,7 +122,7 @@ async def create_chat(ctx: ServingContext, req: ChatCompletionRequest, prepared)
             finish_reason=reason, stop_reason=c.stop_reason,
         ))
     return ChatCompletionResponse(
-        id=request_id, model=ctx.model_name, choices=choices, usage=usage([result]),
+        id=request_id, model=ctx.model_name, choices=choices, usage=usage([result]), weight_version=result.weight_version,
         prompt_logprobs=prompt_logprobs_json(result.prompt_rows) if req.prompt_logprobs is not None else None,
     )
 
@@ -144,8 +144,11 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int
     created = int(time.time())
     k = req.top_logprobs or 0
 
+    version = None  # the engine's, from its first output on
+
     def chunk(choices: list[ChatStreamChoice], use: UsageInfo | None = None) -> str:
-        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=use)
+        body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=use,
+                                   weight_version=version)
         return sse(body.model_dump_json())
 
     for i in range(params.n):
@@ -156,6 +159,7 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int
     try:
         async for delta in stream_request(ctx, request_id, ids, params,
                                           grammar_param=grammar_field(req, tool_schema(req))):
+            version = delta.weight_version
             for comp in delta.completions:
                 completion_tokens += len(comp.token_ids)
                 lp = chat_logprobs(ctx, comp.logprobs, k, req.logprob_token_ids) if _shows_logprobs(req) and comp.logprobs else None

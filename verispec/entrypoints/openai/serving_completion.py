@@ -152,7 +152,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, prepare
     use = usage(results)
     if prompt_only:
         use = UsageInfo(prompt_tokens=use.prompt_tokens, completion_tokens=0, total_tokens=use.prompt_tokens)
-    return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=use)
+    return CompletionResponse(id=request_id, model=ctx.model_name, choices=choices, usage=use,
+                              weight_version=results[0].weight_version if results else None)
 
 
 def stream_completion(ctx: ServingContext, req: CompletionRequest, prepared) -> AsyncIterator[str]:
@@ -180,6 +181,7 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
         body = CompletionResponse(
             id=request_id, created=created, model=ctx.model_name,
             choices=[CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop)],
+            weight_version=item.weight_version,
         )
         return sse(body.model_dump_json(exclude_unset=False))
 
