@@ -29,7 +29,8 @@ from verispec.distributed.comm import Rendezvous, TPGroup, WorkerDiedError
 from verispec.distributed.sharding import ShardContext, make_shard, shard_checkpoint
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaModel
-from verispec.models.weights import build_update, prepare
+from verispec.distributed.weight_group import WeightGroupSpec, join_weight_group, receive_weights
+from verispec.models.weights import build_update, check_update, prepare
 
 logger = logging.getLogger("verispec.tp")
 
@@ -78,6 +79,22 @@ class UpdateWeights:
 
 
 @dataclass(slots=True)
+class JoinWeightGroup:
+    spec: WeightGroupSpec
+
+
+@dataclass(slots=True)
+class UpdateFromWeightGroup:
+    """Every rank receives the announced tensors from the trainer's group, then writes its shard."""
+
+    model_id: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    refused: bool  # rank 0 refuses (requests unfinished): receive, and write nothing
+
+
+@dataclass(slots=True)
 class Shutdown:
     pass
 
@@ -116,21 +133,34 @@ def load_shard(group: TPGroup, cfg: ModelConfig, weights: dict, dtype, device) -
     return LlamaModel(local_cfg, local_weights, dtype=dtype, device=device, parallel=ctx).eval()
 
 
-def update_shard(group: TPGroup, cfg: ModelConfig, local: LlamaModel, update: dict[str, torch.Tensor]) -> Exception | None:
+def update_shard(group: TPGroup, cfg: ModelConfig, local: LlamaModel, update: dict[str, torch.Tensor] | None,
+                 error: Exception | None = None) -> Exception | None:
     """Every rank: its part of a checked update (whole tensors, `cfg` the whole model's), built and
     checked on every rank before any rank writes, so that the ranks never hold different weights.
-    Returns this rank's error, or a stand-in for another rank's, when nothing was written."""
-    error, pending = None, None
-    try:
-        _, new = shard_checkpoint(cfg, prepare(update, local), local.parallel.shard)
-        pending = build_update(local, new)
-    except ValueError as exc:
-        error = exc
+    `error`: this rank refuses already (every rank still takes part). Returns this rank's error, or
+    a stand-in for another rank's, when nothing was written."""
+    pending = None
+    if error is None:
+        try:
+            _, new = shard_checkpoint(cfg, prepare(update, local), local.parallel.shard)
+            pending = build_update(local, new)
+        except ValueError as exc:
+            error = exc
     failed = group.all_reduce(torch.full((1,), float(error is not None), device=local.embed.device))
     if failed.item():
         return error or ValueError("another tensor-parallel rank could not build its part of the update (see its log)")
     pending.commit()
     return None
+
+
+def checked_update(named, cfg: ModelConfig, refusal: Exception | None) -> tuple[dict | None, Exception | None]:
+    """(the update under verispec's names, None) or (None, why it is refused)."""
+    if refusal is not None:
+        return None, refusal
+    try:
+        return check_update(named, cfg), None
+    except ValueError as exc:
+        return None, exc
 
 
 def build_model(cfg: ModelConfig, weights: dict, path, dtype, quantization, device,
@@ -228,6 +258,21 @@ class TensorParallel:
         values = {n: self.group.broadcast(update[n].to(self.device, torch.float32).contiguous()) for n in names}
         if (error := update_shard(self.group, model.cfg, model.local, values)) is not None:
             raise error
+
+    def join_weight_group(self, spec: WeightGroupSpec):
+        """Every rank joins the trainer's group (rank 0's group is returned)."""
+        self.send(JoinWeightGroup(spec))
+        return join_weight_group(spec, 0, self.device)
+
+    def update_from_weight_group(self, model: "ShardedModel", weight_group, names, dtypes, shapes,
+                                 refusal: Exception | None) -> int:
+        """Every rank receives the trainer's tensors and writes its shard, or none does."""
+        self.send(UpdateFromWeightGroup(model.model_id, names, dtypes, shapes, refusal is not None))
+        named = receive_weights(weight_group, names, dtypes, shapes, self.device)
+        update, error = checked_update(named, model.cfg, refusal)
+        if (error := update_shard(self.group, model.cfg, model.local, update, error)) is not None:
+            raise error
+        return len(update)
 
     def new_cache(self, model_id: int, local: LlamaModel, num_blocks: int, block_size: int):
         cache = local.new_kv_cache(num_blocks, block_size)

@@ -18,8 +18,10 @@ import traceback
 import torch
 
 from verispec.distributed.comm import Rendezvous, TPGroup
-from verispec.distributed.executor import (ComputeLogits, Forward, LoadModel, NewCache, Shutdown, UpdateWeights,
-                                           load_shard, rank_device, update_shard)
+from verispec.distributed.executor import (ComputeLogits, Forward, JoinWeightGroup, LoadModel, NewCache, Shutdown,
+                                           UpdateFromWeightGroup, UpdateWeights, checked_update, load_shard,
+                                           rank_device, update_shard)
+from verispec.distributed.weight_group import join_weight_group, receive_weights
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint
@@ -42,6 +44,7 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: 
     group = TPGroup(rv, device)
     models: dict[int, LlamaModel] = {}
     configs: dict[int, object] = {}  # each model's whole config (a shard's is its own part)
+    weight_group = None  # a trainer's group (weight_group.py), once joined
     caches: dict[int, list] = {}
     with torch.inference_mode():
         while True:
@@ -77,6 +80,14 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: 
                           for n, shape in op.tensors}
                 if (error := update_shard(group, configs[op.model_id], models[op.model_id], values)) is not None:
                     logger.warning("weight update not applied: %s", error)
+            elif isinstance(op, JoinWeightGroup):
+                weight_group = join_weight_group(op.spec, rv.rank, device)
+            elif isinstance(op, UpdateFromWeightGroup):
+                named = receive_weights(weight_group, op.names, op.dtypes, op.shapes, device)
+                refusal = ValueError("rank 0 refused the update") if op.refused else None
+                update, error = checked_update(named, configs[op.model_id], refusal)
+                if update_shard(group, configs[op.model_id], models[op.model_id], update, error) is not None:
+                    logger.warning("weight update from the trainer's group not applied")
             elif isinstance(op, ComputeLogits):
                 model = models[op.model_id]
                 hidden = torch.empty(op.num_rows, model.cfg.hidden_size, dtype=op.dtype, device=device)

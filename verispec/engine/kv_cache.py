@@ -16,6 +16,26 @@ import torch
 from verispec.models.config import ModelConfig
 
 
+# Without an explicit pool size the KV cache takes at most this much memory.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def num_kv_blocks(config, model_cfg: ModelConfig, num_kv_heads: int | None = None) -> int:
+    """The pool's blocks (`config` an EngineConfig): num_kv_blocks, else what kv_cache_bytes holds,
+    else every sequence's full length up to DEFAULT_KV_CACHE_BYTES. `num_kv_heads`: a tensor-
+    parallel rank's share of each block."""
+    per_block = bytes_per_block(model_cfg, config.block_size, config.dtype, num_kv_heads)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_bytes is not None:
+        n = config.kv_cache_bytes // per_block
+        if n < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block ({per_block} bytes each)")
+        return n
+    want = config.max_num_seqs * -(-config.max_model_len // config.block_size)
+    return max(1, min(want, DEFAULT_KV_CACHE_BYTES // per_block))
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
     """A block's bytes across layers, k and v; num_kv_heads: a tensor-parallel rank's share."""
     elem = torch.empty((), dtype=dtype).element_size()

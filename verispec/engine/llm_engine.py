@@ -14,15 +14,16 @@ from verispec.distributed.executor import TensorParallel, build_model, rank_thre
 from verispec.distributed.sharding import max_kv_heads_per_rank
 from verispec.engine.core_protocol import EngineStats
 from verispec.engine.isolation import execute_isolating_failures
-from verispec.engine.kv_cache import BlockPool, bytes_per_block
+from verispec.engine.kv_cache import BlockPool, num_kv_blocks
 from verispec.engine.output_processor import OutputProcessor
 from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.runner import ModelRunner
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.startup import RuntimeInfo, StartupLog
 from verispec.engine.step import SchedulerOutput
-from verispec.engine.weight_sync import (UpdateWhileRunning, WeightsLike, WeightUpdate, WeightVersion, WeightVersions,
-                                         timed_update)
+from verispec.distributed.weight_group import WeightGroupSpec
+from verispec.engine.weight_sync import (UpdateWhileRunning, WeightGroupLink, WeightsLike, WeightUpdate, WeightVersion,
+                                         WeightVersions, timed_update, update_model_weights)
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.cpu_kernels import kernel_build
 from verispec.models.default import default_model_path
@@ -37,9 +38,6 @@ from verispec.spec_decode.registry import make_adaptive, make_drafter
 from verispec.tokenization import text_encoder
 
 logger = logging.getLogger("verispec")
-
-# Without an explicit pool size the KV cache takes at most this much memory.
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -110,7 +108,9 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
-        self.pool = BlockPool(self._num_blocks(), config.block_size)
+        # Under tensor parallelism each rank holds its KV heads' share of every block.
+        heads = max_kv_heads_per_rank(model_cfg, self.tp.size) if self.tp is not None else None
+        self.pool = BlockPool(num_kv_blocks(config, model_cfg, heads), config.block_size)
         spec = config.speculative
         # Everything engine-wide that changes the KV; the cache lives in this engine only, but a
         # key that names the weights and the tier keeps a hash meaningful on its own.
@@ -140,25 +140,11 @@ class LLMEngine:
         self.num_steps = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         self.weight_versions = WeightVersions()
+        self.weight_link = WeightGroupLink()
 
     @property
     def spec_metrics(self) -> SpecDecodeMetrics:
         return self.scheduler.spec_metrics
-
-    def _num_blocks(self) -> int:
-        c = self.config
-        # Under tensor parallelism each rank holds its KV heads' share of every block.
-        heads = max_kv_heads_per_rank(self.model_config, self.tp.size) if self.tp is not None else None
-        per_block = bytes_per_block(self.model_config, c.block_size, c.dtype, heads)
-        if c.num_kv_blocks is not None:
-            return c.num_kv_blocks
-        if c.kv_cache_bytes is not None:
-            n = c.kv_cache_bytes // per_block
-            if n < 1:
-                raise ValueError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block ({per_block} bytes each)")
-            return n
-        want = c.max_num_seqs * -(-c.max_model_len // c.block_size)
-        return max(1, min(want, DEFAULT_KV_CACHE_BYTES // per_block))
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
@@ -279,12 +265,31 @@ class LLMEngine:
     def update_weights(self, weights: WeightsLike, weight_version: WeightVersion | None = None) -> WeightUpdate:
         """New weights in place (engine/weight_sync.py), then an empty prefix cache; only while no
         request is unfinished: each request runs under one weight version."""
-        if self.scheduler.has_unfinished():
-            raise UpdateWhileRunning(f"{len(self._parents)} request(s) unfinished: pause generation "
-                                     "(abort or wait) before updating the weights")
-        done = timed_update(self.model, self.tp, weights, self.weight_versions, weight_version)
+        if (busy := self._busy()) is not None:
+            raise busy
+        done = timed_update(lambda: update_model_weights(self.model, self.tp, weights), self.weight_versions,
+                            weight_version)
         self.prefix_cache.reset()
         return done
+
+    def init_weights_update_group(self, spec: WeightGroupSpec) -> None:
+        """Joins a trainer's process group (every tensor-parallel rank does); blocks until all have."""
+        self.weight_link.join(spec, self.tp, self.config.device)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        weight_version: WeightVersion | None = None) -> WeightUpdate:
+        """update_weights with tensors the trainer broadcasts in the group, in this order."""
+        busy = self._busy()
+        done = timed_update(lambda: self.weight_link.receive(self.model, self.tp, names, dtypes, shapes, busy,
+                                                             self.config.device), self.weight_versions, weight_version)
+        self.prefix_cache.reset()
+        return done
+
+    def _busy(self) -> UpdateWhileRunning | None:
+        if not self.scheduler.has_unfinished():
+            return None
+        return UpdateWhileRunning(f"{len(self._parents)} request(s) unfinished: pause generation (abort or wait) "
+                                  "before updating the weights")
 
     def request_ids(self) -> list[str]:
         """The user-level ids of every request still held by the engine."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.distributed.weight_group import WeightGroupSpec, join_weight_group, receive_weights
 from verispec.models.weights import build_update, check_update, prepare, read_safetensors
 
 WeightsLike = str | Path | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -75,8 +76,32 @@ class WeightVersions:
         return self.current
 
 
-def timed_update(model, tp, weights: WeightsLike, versions: WeightVersions, given: WeightVersion | None) -> WeightUpdate:
+def timed_update(write, versions: WeightVersions, given: WeightVersion | None) -> WeightUpdate:
+    """Runs `write()` (returns the number of tensors written) and advances the version."""
     check_version(given)
     start = time.perf_counter()
-    n = update_model_weights(model, tp, weights)
+    n = write()
     return WeightUpdate(versions.advance(given), n, time.perf_counter() - start)
+
+
+class WeightGroupLink:
+    """The engine's membership of a trainer's process group (distributed/weight_group.py)."""
+
+    def __init__(self) -> None:
+        self.group = None
+
+    def join(self, spec: WeightGroupSpec, tp, device: torch.device) -> None:
+        self.group = tp.join_weight_group(spec) if tp is not None else join_weight_group(spec, 0, device)
+
+    def receive(self, model, tp, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                refusal: Exception | None, device: torch.device) -> int:
+        """Receives every announced tensor (the trainer's broadcast must complete), then writes
+        them, or raises `refusal` (the engine is busy) or the check's ValueError."""
+        if self.group is None:
+            raise ValueError("no weight update group: call init_weights_update_group first")
+        if tp is not None:
+            return tp.update_from_weight_group(model, self.group, names, dtypes, shapes, refusal)
+        named = receive_weights(self.group, names, dtypes, shapes, device)
+        if refusal is not None:
+            raise refusal
+        return update_model_weights(model, None, named)

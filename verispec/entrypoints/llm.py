@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from verispec.config import EngineConfig
+from verispec.distributed.weight_group import WeightGroupSpec
 from verispec.engine.llm_engine import LLMEngine
 from verispec.engine.weight_sync import WeightsLike, WeightUpdate, WeightVersion
 from verispec.entrypoints.chat_utils import chat_prompt_ids
@@ -50,6 +51,21 @@ class LLM:
         later output carries `weight_version` (default: the number of updates so far); the prefix
         cache is emptied. No recompilation, no kernel rebuild (docs/rl.md)."""
         return self.engine.update_weights(weights, weight_version)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weights", backend: str | None = None) -> None:
+        """Joins a trainer's torch.distributed group (the trainer is rank 0; this engine's
+        tensor-parallel ranks are rank_offset, rank_offset + 1, ...), as SGLang's route does.
+        Blocks until every rank has joined (docs/rl.md)."""
+        spec = WeightGroupSpec(master_address, master_port, rank_offset, world_size, group_name, backend)
+        self.engine.init_weights_update_group(spec)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        weight_version: WeightVersion | None = None) -> WeightUpdate:
+        """`update_weights` with the tensors the trainer broadcasts in the group, in this order
+        (`verispec.distributed.weight_group.broadcast_weights`): every announced tensor is received,
+        then checked and written all or nothing."""
+        return self.engine.update_weights_from_distributed(names, dtypes, shapes, weight_version)
 
     # ------------------------------------------------------------------ generate
     def generate(
