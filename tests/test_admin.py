@@ -115,6 +115,7 @@ def test_pause_update_continue(server, weights_b, tiny_with_tokenizer):
     r = server.post("/v1/completions", {"prompt": "t5", "max_tokens": 2, "stream": True}, stream=True)
     chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
     assert chunks and all(c["weight_version"] == "b" for c in chunks)
+    control.update_weights_from_disk(tiny_with_tokenizer, weight_version="a")  # as the other tests expect
 
 
 def test_kept_requests_block_an_update_and_then_finish(server, tiny_with_tokenizer):
@@ -137,3 +138,28 @@ def test_wait_returns_once_the_running_request_finished(server):
     assert '"finish_reason":"length"' in finish[0]
     assert server.metrics()["verispec:num_requests_running"] == 0
     control.resume()
+
+
+def test_a_trainer_pushes_weights_through_its_process_group(server, weights_b, tiny_with_tokenizer):
+    """The trainer (here a thread, rank 0 of a gloo group) joins with the server's engine (rank 1)
+    and broadcasts checkpoint B while /update_weights_from_distributed announces it."""
+    from safetensors.torch import load_file
+
+    from server_utils import free_port
+    from verispec.distributed.weight_group import broadcast_weights, trainer_weight_group
+
+    control = ServerControl(server.url, api_key=KEY)
+    tensors = sorted(load_file(os.path.join(weights_b, "model.safetensors")).items())
+    port = free_port()
+    joined, group = in_thread(lambda: trainer_weight_group("127.0.0.1", port, 2))
+    assert "joined" in control.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=2)["message"]
+    joined.join(30)
+    pushing, _ = in_thread(lambda: broadcast_weights(group[0], tensors))
+    done = control.update_weights_from_distributed([n for n, _ in tensors], [str(t.dtype)[6:] for _, t in tensors],
+                                                   [list(t.shape) for _, t in tensors], weight_version="dist")
+    pushing.join(30)
+    assert done["weight_version"] == "dist" and done["num_tensors"] == len(tensors)
+    fresh = LLM(weights_b, dtype="float32", enforce_eager=True).generate(
+        ["t5 t6 t7"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert complete(server)["text"] == fresh.outputs[0].text
+    control.update_weights_from_disk(tiny_with_tokenizer, weight_version="a")

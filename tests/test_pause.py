@@ -86,3 +86,13 @@ def test_an_update_on_an_empty_engine_is_versioned(engine, tmp_path):
     other = make_tiny_checkpoint(tmp_path / "b", "llama", seed=2)
     reply = GenerationGate(engine).update(UpdateWeightsFromDisk(3, other, "v9"))
     assert reply.ok and reply.result["weight_version"] == "v9" and reply.result["num_tensors"] > 0
+
+
+def test_a_bad_weight_group_is_the_callers_error(engine):
+    from verispec.engine.core_protocol import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+
+    gate = GenerationGate(engine)
+    reply = gate.join_group(InitWeightsUpdateGroup(1, "127.0.0.1", 1, rank_offset=0, world_size=2))
+    assert not reply.ok and reply.error_kind == "invalid" and "rank_offset" in reply.message
+    reply = gate.update(UpdateWeightsFromDistributed(2, ["model.norm.weight"], ["float32"], [[64]]))
+    assert not reply.ok and "init_weights_update_group" in reply.message

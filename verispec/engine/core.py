@@ -20,8 +20,8 @@ from verispec.config import EngineConfig
 from verispec.distributed.comm import WorkerDiedError
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, CompletionDelta, ContinueGeneration, ControlReply, CoreFailed, CoreInput,
-    CoreOutputs, CoreReady, LogprobRow, PauseGeneration, RequestDelta, ResetPrefixCache, Shutdown,
-    UpdateWeightsFromDisk, split_encodable,
+    CoreOutputs, CoreReady, InitWeightsUpdateGroup, LogprobRow, PauseGeneration, RequestDelta, ResetPrefixCache,
+    Shutdown, UpdateWeightsFromDisk, UpdateWeightsFromDistributed, split_encodable,
 )
 from verispec.engine.pause import GenerationGate
 from verispec.outputs import Logprob, RequestOutput
@@ -210,8 +210,10 @@ class EngineCore:
             backlog, replies = self.gate.resume(msg)
             deltas = [d for add in backlog for d in self.handle(add)[0]]
             self.replies += replies
-        elif isinstance(msg, UpdateWeightsFromDisk):
+        elif isinstance(msg, (UpdateWeightsFromDisk, UpdateWeightsFromDistributed)):
             self.replies.append(self.gate.update(msg))
+        elif isinstance(msg, InitWeightsUpdateGroup):
+            self.replies.append(self.gate.join_group(msg))
         return deltas, not isinstance(msg, Shutdown)
 
     def run(self) -> None:

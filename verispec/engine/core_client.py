@@ -23,8 +23,8 @@ from verispec.config import EngineConfig
 from verispec.engine.core import params_to_wire, run_engine_core
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, ContinueGeneration, ControlReply, CoreFailed, CoreMessage, CoreOutputs,
-    CoreReady, EngineStats, PauseGeneration, RequestDelta, ResetPrefixCache, Shutdown, UpdateWeightsFromDisk,
-    split_encodable,
+    CoreReady, EngineStats, InitWeightsUpdateGroup, PauseGeneration, RequestDelta, ResetPrefixCache, Shutdown,
+    UpdateWeightsFromDisk, UpdateWeightsFromDistributed, split_encodable,
 )
 from verispec.sampling_params import SamplingParams
 
@@ -205,6 +205,12 @@ class AsyncEngineClient:
 
     async def update_weights_from_disk(self, path: str, weight_version: int | str | None) -> ControlReply:
         return await self._control(lambda call: UpdateWeightsFromDisk(call, path, weight_version))
+
+    async def init_weights_update_group(self, **spec) -> ControlReply:
+        return await self._control(lambda call: InitWeightsUpdateGroup(call, **spec))
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, weight_version) -> ControlReply:
+        return await self._control(lambda call: UpdateWeightsFromDistributed(call, names, dtypes, shapes, weight_version))
 
     async def _control(self, make) -> ControlReply:
         """Sends a control input after every request queued before it; waits for its reply."""

@@ -69,8 +69,30 @@ class UpdateWeightsFromDisk(msgspec.Struct, tag="update_weights"):
     weight_version: int | str | None = None
 
 
+class InitWeightsUpdateGroup(msgspec.Struct, tag="init_weights_group"):
+    """LLM.init_weights_update_group: blocks the core until the trainer has joined."""
+
+    call_id: int
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weights"
+    backend: str | None = None
+
+
+class UpdateWeightsFromDistributed(msgspec.Struct, tag="update_weights_distributed"):
+    """LLM.update_weights_from_distributed: the trainer broadcasts these tensors in this order."""
+
+    call_id: int
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    weight_version: int | str | None = None
+
+
 CoreInput = (AddRequest | AddRequests | AbortRequests | ResetPrefixCache | Shutdown | PauseGeneration
-             | ContinueGeneration | UpdateWeightsFromDisk)
+             | ContinueGeneration | UpdateWeightsFromDisk | InitWeightsUpdateGroup | UpdateWeightsFromDistributed)
 
 
 # --------------------------------------------------------------------------------- from the core

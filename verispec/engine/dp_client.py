@@ -350,6 +350,18 @@ class DPEngineClient:
             self.router.reset_prefix_memory()  # the replicas emptied their prefix caches
         return reply
 
+    async def init_weights_update_group(self, **spec) -> ControlReply:
+        if self.data_parallel_size > 1:  # each replica would need its own ranks in the trainer's group
+            return ControlReply(0, False, "a trainer's weight group needs data_parallel_size 1", "invalid")
+        return await self.replicas[0].init_weights_update_group(**spec)
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, weight_version) -> ControlReply:
+        reply = await self._every_replica(lambda r: r.update_weights_from_distributed(names, dtypes, shapes,
+                                                                                      weight_version))
+        if reply.ok:
+            self.router.reset_prefix_memory()
+        return reply
+
     async def _every_replica(self, call) -> ControlReply:
         """The same control input to every live replica: the first refusal, else replica 0's reply."""
         live = [r for r in self.replicas if not r.dead]

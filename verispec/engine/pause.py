@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 
-from verispec.engine.core_protocol import (PAUSE_MODES, AddRequest, ContinueGeneration, ControlReply, PauseGeneration,
-                                           UpdateWeightsFromDisk)
+from verispec.distributed.weight_group import WeightGroupSpec
+from verispec.engine.core_protocol import (PAUSE_MODES, AddRequest, ContinueGeneration, ControlReply,
+                                           InitWeightsUpdateGroup, PauseGeneration, UpdateWeightsFromDisk,
+                                           UpdateWeightsFromDistributed)
 from verispec.engine.weight_sync import UpdateWhileRunning
 from verispec.outputs import RequestOutput
 
@@ -76,15 +78,29 @@ class GenerationGate:
         call, self._drain_call = self._drain_call, None
         return [self._paused_reply(call, 0)]
 
-    def update(self, msg: UpdateWeightsFromDisk) -> ControlReply:
+    def join_group(self, msg: InitWeightsUpdateGroup) -> ControlReply:
         try:
-            done = self.engine.update_weights(msg.path, msg.weight_version)
+            spec = WeightGroupSpec(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                                   msg.group_name, msg.backend)
+            self.engine.init_weights_update_group(spec)
+        except (ValueError, RuntimeError) as exc:  # a bad spec, or the rendezvous failed (timeout)
+            return ControlReply(msg.call_id, False, f"{type(exc).__name__}: {exc}", "invalid")
+        return ControlReply(msg.call_id, True, f"joined {msg.group_name!r} as rank {msg.rank_offset}")
+
+    def update(self, msg: UpdateWeightsFromDisk | UpdateWeightsFromDistributed) -> ControlReply:
+        try:
+            if isinstance(msg, UpdateWeightsFromDisk):
+                done = self.engine.update_weights(msg.path, msg.weight_version)
+            else:
+                done = self.engine.update_weights_from_distributed(msg.names, msg.dtypes, msg.shapes,
+                                                                   msg.weight_version)
         except UpdateWhileRunning as exc:
             kept = " (kept by a pause in mode 'keep')" if self.mode == "keep" else ""
             return ControlReply(msg.call_id, False, f"{exc}{kept}", "conflict")
         except (ValueError, OSError) as exc:
             return ControlReply(msg.call_id, False, f"{type(exc).__name__}: {exc}", "invalid")
-        logger.info("weights updated from %s in %.2f s: version %s", msg.path, done.seconds, done.weight_version)
+        logger.info("weights updated (%d tensors) in %.2f s: version %s", done.num_tensors, done.seconds,
+                    done.weight_version)
         return ControlReply(msg.call_id, True, f"updated {done.num_tensors} tensors in {done.seconds:.2f} s",
                             result={"weight_version": done.weight_version, "num_tensors": done.num_tensors,
                                     "seconds": done.seconds})

@@ -1,6 +1,7 @@
 """Routes that change what the server serves, for RL trainers (behind `--api-key` when set), in
 SGLang's shapes: `POST /pause_generation` (mode `abort`, `wait` or `keep`), `POST
-/continue_generation` and `POST /update_weights_from_disk` (a safetensors file or directory).
+/continue_generation`, `POST /update_weights_from_disk` (a safetensors file or directory), and a
+trainer's process group: `POST /init_weights_update_group`, `POST /update_weights_from_distributed`.
 The engine core does the work (engine/pause.py); a refusal because of the engine's state is a
 409, one because of the input a 400, both in the OpenAI error shape."""
 
@@ -22,6 +23,22 @@ class PauseGenerationRequest(_Request):
 class UpdateWeightsFromDiskRequest(_Request):
     model_path: str  # a safetensors file, or a directory of them, readable by the server
     weight_version: int | str | None = None  # default: the number of updates so far
+
+
+class InitWeightsUpdateGroupRequest(_Request):
+    master_address: str
+    master_port: int
+    rank_offset: int  # the engine's first rank in the group (the trainer is rank 0)
+    world_size: int
+    group_name: str = "weights"
+    backend: Literal["gloo", "nccl"] | None = None  # None: gloo on a CPU, nccl on CUDA
+
+
+class UpdateWeightsFromDistributedRequest(_Request):
+    names: list[str]  # the checkpoint's (HF) names, in the order the trainer broadcasts them
+    dtypes: list[str]  # "float32", "bfloat16" or "float16", one per name
+    shapes: list[list[int]]
+    weight_version: int | str | None = None
 
 
 class ControlResponse(_Model):
@@ -62,6 +79,23 @@ def add_control_routes(app: FastAPI, check_api_key, serving_context, admit) -> N
         ctx = serving_context(request)
         admit(ctx)
         return _answer(await ctx.client.update_weights_from_disk(body.model_path, body.weight_version), "model_path")
+
+    @app.post("/init_weights_update_group", response_model=ControlResponse, responses=errors, dependencies=auth)
+    async def init_weights_update_group(body: InitWeightsUpdateGroupRequest, request: Request):
+        """Joins the trainer's torch.distributed group; answers once every rank has joined."""
+        ctx = serving_context(request)
+        admit(ctx)
+        return _answer(await ctx.client.init_weights_update_group(**body.model_dump()), None)
+
+    @app.post("/update_weights_from_distributed", response_model=ControlResponse, responses=errors, dependencies=auth)
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedRequest, request: Request):
+        """Receives the tensors the trainer broadcasts in the group, then writes them (409 while
+        requests are unfinished, after receiving: the trainer's broadcast always completes)."""
+        ctx = serving_context(request)
+        admit(ctx)
+        reply = await ctx.client.update_weights_from_distributed(body.names, body.dtypes, body.shapes,
+                                                                 body.weight_version)
+        return _answer(reply, "names")
 
 
 def _answer(reply: ControlReply, param: str | None) -> ControlResponse:

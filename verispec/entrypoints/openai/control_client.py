@@ -35,6 +35,20 @@ class ServerControl:
         """A safetensors file or directory the server can read; refused (409) while requests run."""
         return self._post("/update_weights_from_disk", {"model_path": str(path), "weight_version": weight_version})
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weights", backend: str | None = None) -> dict:
+        """Blocks until every rank has joined: call it beside the trainer's own
+        `verispec.distributed.weight_group.trainer_weight_group` (a thread for one of the two)."""
+        return self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        weight_version: int | str | None = None) -> dict:
+        """Announces the tensors; the trainer broadcasts them meanwhile (`broadcast_weights`)."""
+        return self._post("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "weight_version": weight_version})
+
     def push_weights(self, state_dict: dict, directory: str | Path, weight_version: int | str | None = None,
                      mode: str = "wait") -> dict:
         """Saves `state_dict` (HF names) as safetensors in `directory`, pauses generation (`mode`),
