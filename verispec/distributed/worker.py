@@ -41,57 +41,71 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: 
             early = (preload, load_checkpoint(*preload))
         except Exception:  # noqa: BLE001 - rank 0 meets the same error and reports it
             logger.warning("preloading %s failed; rank 0 reports why", preload[0])
-    group = TPGroup(rv, device)
-    models: dict[int, LlamaModel] = {}
-    configs: dict[int, object] = {}  # each model's whole config (a shard's is its own part)
-    weight_group = None  # a trainer's group (weight_group.py), once joined
-    caches: dict[int, list] = {}
+    worker = _Worker(rv.rank, TPGroup(rv, device), device, early)
     with torch.inference_mode():
         while True:
             try:
-                op = group.recv_op()
+                op = worker.group.recv_op()
             except RuntimeError:  # the control group's connection closed: rank 0 is gone
                 logger.info("rank 0 is gone; worker %d exits", rv.rank)
                 return
             if isinstance(op, Shutdown):
                 return
-            if isinstance(op, LoadModel):
-                failed = 0.0
-                try:
-                    key = (op.path, op.dtype, op.quantization)
-                    cfg, weights = early[1] if early is not None and early[0] == key else load_checkpoint(*key)
-                    early = None
-                    models[op.model_id] = load_shard(group, cfg, weights, op.dtype, device)
-                    configs[op.model_id] = cfg
-                    del weights
-                except Exception:  # noqa: BLE001 - counted in the all-reduce below; rank 0 raises
-                    logger.error("loading %s failed:\n%s", op.path, traceback.format_exc())
-                    failed = 1.0
-                group.all_reduce(torch.full((1,), failed, device=device))
-            elif isinstance(op, NewCache):
-                caches[op.cache_id] = models[op.model_id].new_kv_cache(op.num_blocks, op.block_size).layers
-            elif isinstance(op, Forward):
-                model = models[op.model_id]
-                ids_pos = group.broadcast(torch.empty(2, op.num_tokens, dtype=torch.long, device=device))
-                meta = build_attention_metadata([SeqSpan(*s) for s in op.spans], op.block_size, device, model.dtype)
-                model(ids_pos[0], ids_pos[1], meta, caches[op.cache_id], op.num_layers)
-            elif isinstance(op, UpdateWeights):
-                values = {n: group.broadcast(torch.empty(shape, dtype=torch.float32, device=device))
-                          for n, shape in op.tensors}
-                if (error := update_shard(group, configs[op.model_id], models[op.model_id], values)) is not None:
-                    logger.warning("weight update not applied: %s", error)
-            elif isinstance(op, JoinWeightGroup):
-                weight_group = join_weight_group(op.spec, rv.rank, device)
-            elif isinstance(op, UpdateFromWeightGroup):
-                named = receive_weights(weight_group, op.names, op.dtypes, op.shapes, device)
-                refusal = ValueError("rank 0 refused the update") if op.refused else None
-                update, error = checked_update(named, configs[op.model_id], refusal)
-                if update_shard(group, configs[op.model_id], models[op.model_id], update, error) is not None:
-                    logger.warning("weight update from the trainer's group not applied")
-            elif isinstance(op, ComputeLogits):
-                model = models[op.model_id]
-                hidden = torch.empty(op.num_rows, model.cfg.hidden_size, dtype=op.dtype, device=device)
-                model.compute_logits(group.broadcast(hidden))
+            worker.handle(op)
+
+
+class _Worker:
+    """One rank's state: its model shards (by rank 0's model id), caches, and a trainer's group."""
+
+    def __init__(self, rank: int, group: TPGroup, device: torch.device, early):
+        self.rank, self.group, self.device, self.early = rank, group, device, early
+        self.models: dict[int, LlamaModel] = {}
+        self.configs: dict[int, object] = {}  # each model's whole config (a shard's is its own part)
+        self.caches: dict[int, list] = {}
+        self.weight_group = None  # a trainer's group (weight_group.py), once joined
+
+    def handle(self, op) -> None:
+        group, device = self.group, self.device
+        if isinstance(op, LoadModel):
+            self.load(op)
+        elif isinstance(op, NewCache):
+            self.caches[op.cache_id] = self.models[op.model_id].new_kv_cache(op.num_blocks, op.block_size).layers
+        elif isinstance(op, Forward):
+            model = self.models[op.model_id]
+            ids_pos = group.broadcast(torch.empty(2, op.num_tokens, dtype=torch.long, device=device))
+            meta = build_attention_metadata([SeqSpan(*s) for s in op.spans], op.block_size, device, model.dtype)
+            model(ids_pos[0], ids_pos[1], meta, self.caches[op.cache_id], op.num_layers)
+        elif isinstance(op, ComputeLogits):
+            model = self.models[op.model_id]
+            hidden = torch.empty(op.num_rows, model.cfg.hidden_size, dtype=op.dtype, device=device)
+            model.compute_logits(group.broadcast(hidden))
+        elif isinstance(op, UpdateWeights):
+            values = {n: group.broadcast(torch.empty(shape, dtype=torch.float32, device=device))
+                      for n, shape in op.tensors}
+            if (error := update_shard(group, self.configs[op.model_id], self.models[op.model_id], values)) is not None:
+                logger.warning("weight update not applied: %s", error)
+        elif isinstance(op, JoinWeightGroup):
+            self.weight_group = join_weight_group(op.spec, self.rank, device)
+        elif isinstance(op, UpdateFromWeightGroup):
+            named = receive_weights(self.weight_group, op.names, op.dtypes, op.shapes, device)
+            refusal = ValueError("rank 0 refused the update") if op.refused else None
+            update, error = checked_update(named, self.configs[op.model_id], refusal)
+            if update_shard(group, self.configs[op.model_id], self.models[op.model_id], update, error) is not None:
+                logger.warning("weight update from the trainer's group not applied")
+
+    def load(self, op: LoadModel) -> None:
+        failed = 0.0
+        try:
+            key = (op.path, op.dtype, op.quantization)
+            early, self.early = self.early, None
+            cfg, weights = early[1] if early is not None and early[0] == key else load_checkpoint(*key)
+            self.models[op.model_id] = load_shard(self.group, cfg, weights, op.dtype, self.device)
+            self.configs[op.model_id] = cfg
+            del weights
+        except Exception:  # noqa: BLE001 - counted in the all-reduce below; rank 0 raises
+            logger.error("loading %s failed:\n%s", op.path, traceback.format_exc())
+            failed = 1.0
+        self.group.all_reduce(torch.full((1,), failed, device=self.device))
 
 
 def _die_with_parent() -> None:
