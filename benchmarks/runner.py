@@ -41,6 +41,7 @@ from benchmarks.scenarios import (
     SCALING_SCENARIO,
     SCENARIOS,
     STRUCTURED_SCENARIO,
+    WEIGHTS_SCENARIO,
     SPEC_SCENARIO,
     Scenario,
     build_prompts,
@@ -53,6 +54,7 @@ from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.spec import SpecRow, run_sweep, write_spec
 from benchmarks.structured import run_structured, write_structured
+from benchmarks.weights import run_weights, write_weights
 from benchmarks.system import PEERS, PLAIN, Generation, PeerUnavailable, System
 from benchmarks.targets import evaluate, format_targets
 from benchmarks.tiers import (
@@ -280,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
                         "(verispec, in process)", lambda: run_scaling(tokenizer, cfg.quick, log))
     curve = _optional(cfg, state, COST_SCENARIO, "the cost curve: step time against rows per tier and kernel "
                       "(verispec, in process)", lambda: run_cost_curve(cfg.quick, log))
+    weights = _optional(cfg, state, WEIGHTS_SCENARIO, "weight updates in place against a fresh engine (verispec, "
+                        "in process)", lambda: run_weights(cfg.quick, log))
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -294,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
                       "prefix caching, cache on against off" if s == PREFIX_SCENARIO else
                       "structured output, a grammar against none" if s == STRUCTURED_SCENARIO else
                       "tensor parallelism, two ranks against one" if s == SCALING_SCENARIO else
-                      "step time against rows" if s == COST_SCENARIO else "speculative sweep"
+                      "step time against rows" if s == COST_SCENARIO else
+                      "weight updates in place" if s == WEIGHTS_SCENARIO else "speculative sweep"
                       for s in cfg.scenarios},
         "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
@@ -345,6 +350,9 @@ def run(args: argparse.Namespace) -> int:
     if curve is not None:
         print()
         print(write_curve(cfg.out, machine, curve))
+    if weights is not None:
+        print()
+        print(write_weights(cfg.out, machine, weights))
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
            "fidelity": {r.tier: r.to_json() for r in state.fidelity}}

@@ -57,8 +57,10 @@ STRUCTURED_SCENARIO = "structured"
 # Tensor parallelism's cost on one machine, two ranks against one (verispec only): see benchmarks/scaling.py.
 SCALING_SCENARIO = "tp"
 COST_SCENARIO = "cost"
+# In-place weight updates against a fresh engine (verispec only): see benchmarks/weights.py.
+WEIGHTS_SCENARIO = "weights"
 ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO,
-                 COST_SCENARIO)
+                 COST_SCENARIO, WEIGHTS_SCENARIO)
 
 
 def headlines() -> dict[str, str]:

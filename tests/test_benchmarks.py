@@ -35,7 +35,7 @@ def test_defaults_and_quick():
     full = resolve(bench_args())
     assert (full.max_tokens, full.runs, full.quick) == (128, 3, False)
     assert full.peers == ["hf", "llamacpp"]
-    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost"]
+    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost", "weights"]
     quick = resolve(bench_args("--quick", "--out", "x"))
     assert (quick.max_tokens, quick.runs, quick.out) == (32, 1, Path("x"))
 
@@ -313,3 +313,12 @@ def test_the_cost_curve_table_gives_each_step_against_one_row_and_the_verify_tar
     assert f"| {long_label(packed)} | 5.00 ms (1.00x)" in table  # 7.0 / 5.0 at 6 rows
     assert "Bare packed" not in table
     assert table.endswith(f"1.25x, met\nOver a {LONG_CONTEXT}-token context: 1.40x")
+
+
+def test_the_weights_table_says_whether_each_tier_met_its_bound(tmp_path):
+    from benchmarks.weights import WeightsRow, write_weights
+
+    rows = [WeightsRow("exact", 272, 0.2, 12.0, 1.0), WeightsRow("fast", 272, 3.5, 6.0, 3.0)]
+    md = write_weights(tmp_path, {"cpu": "x"}, rows)
+    assert "| exact | 272 | 0.20 s | 12.0 s | < 1 s | yes |" in md and "| fast | 272 | 3.50 s | 6.0 s | < 3 s | NO |" in md
+    assert (tmp_path / "weights.json").exists()
