@@ -69,7 +69,12 @@ def test_packed_format_follows_gguf_block_rules():
 
 
 def test_make_linear_picks_the_layer_for_the_weight():
-    assert isinstance(make_linear(weight(8, 16), torch.float32, CPU), Linear)
+    from verispec.models.linear import DenseLinear
+
+    # Dense fp32: verispec's row-invariant kernel where it is loaded, else torch's matmul.
+    dense = make_linear(weight(8, 16), torch.float32, CPU)
+    assert isinstance(dense, DenseLinear if cpu_kernels.cpu_kernels_available() else Linear)
+    assert isinstance(make_linear(weight(8, 16), torch.bfloat16, CPU), Linear)
     q = quantize_rtn(weight(), 4)
     fp32 = make_linear(q, torch.float32, CPU)
     # The exact tier: decoded codes on verispec's kernel, or the same values dense without it.
@@ -86,3 +91,20 @@ def test_a_long_step_sends_short_sequences_to_the_kernel_and_long_chunks_dense()
     assert linear_mod._row_split is None  # the step's split ends with it
     with step_rows(spans[:1], 3, CPU):  # a short step needs no split
         assert linear_mod._row_split is None
+
+
+def test_a_part_of_a_dense_matrix_is_written_where_its_rows_live():
+    """Linear (transposed) and DenseLinear (blocks of 16 rows) place rows a..b of W the same way;
+    a DenseLinear part that splits a block of 16 is refused (the caller rebuilds the matrix)."""
+    from verispec.models.linear import DenseLinear, _blocked
+
+    w, new = weight(48, 32), weight(16, 32) + 1
+    for module in (Linear(w.t().contiguous().t()), DenseLinear(w) if cpu_kernels.cpu_kernels_available() else None):
+        if module is None:
+            continue
+        dest, src = module.part(16, 16, new)
+        dest.copy_(src)
+        assert torch.equal(module.matrix(), torch.cat([w[:16], new, w[32:]]))
+    if cpu_kernels.cpu_kernels_available():
+        assert DenseLinear(w).part(8, 16, new) is None
+        assert torch.equal(_blocked(w)[1], w[16:32].t())

@@ -216,7 +216,8 @@ kernel_build.cache_clear = _kernel_build.cache_clear  # for tests that switch th
 
 
 def cpu_kernels_available() -> bool:
-    """Whether `torch.ops.verispec_cpu` (paged_attention, packed_linear, int8_linear, int4_linear, rms_norm) is loaded."""
+    """Whether `torch.ops.verispec_cpu` (paged_attention, packed_linear, int8_linear, int4_linear, dense_linear,
+    rms_norm) is loaded."""
     return kernel_build().level is not None
 
 
@@ -235,6 +236,8 @@ def _register_fakes() -> None:
         for name in ("int8_linear", "int4_linear"):
             torch.library.register_fake(f"verispec_cpu::{name}")(_matmul_shape)
         torch.library.register_fake("verispec_cpu::packed_linear")(_packed_shape)
+        torch.library.register_fake("verispec_cpu::dense_linear")(
+            lambda x, weights, n: x.new_empty((x.shape[0], n), dtype=torch.float32))
         torch.library.register_fake("verispec_cpu::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
         _fakes_registered = True
 

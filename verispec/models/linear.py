@@ -54,6 +54,14 @@ class Linear(nn.Module):
         """residual + x @ W_t in one fused op (no bias: o and down projections have none)."""
         return torch.addmm(residual, x, self.weight_t)
 
+    def matrix(self) -> torch.Tensor:
+        """The [N, K] weights (a view)."""
+        return self.weight_t.t()
+
+    def part(self, start: int, size: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the columns of weight_t that rows start..start+size of W are, `values` [size, K] as them)."""
+        return self.weight_t[:, start : start + size], values.t()
+
 
 class Int4Plane(nn.Module):
     """One int4 kernel operand: torch's packed codes and the [K/G, N, 2] scales and zeros, plus
@@ -205,6 +213,42 @@ class DecodedLinear(nn.Module):
         return residual + self(x)
 
 
+class DenseLinear(nn.Module):
+    """A dense fp32 matrix on verispec's CPU kernel (`csrc/quant_linear.cpp`, `dense_linear`): every
+    output sums its K products in order, one vector lane per output column, whatever the number of
+    rows, so a row's result never depends on the rows beside it (a BLAS matmul picks its kernel,
+    and so its rounding, by the row count). The exact tier's matrices on a CPU with the kernels."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.n, self.k = weight.shape
+        self.register_buffer("blocked", _blocked(weight.float()), persistent=False)  # [N/16, K, 16]
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.verispec_cpu.dense_linear.default(x, self.blocked, self.n)
+        return y if self.bias is None else y + self.bias
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self(x)
+
+    def matrix(self) -> torch.Tensor:
+        """The [N, K] weights (a copy)."""
+        return self.blocked.transpose(1, 2).reshape(-1, self.k)[: self.n]
+
+    def part(self, start: int, size: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(where rows start..start+size live, `values` [size, K] laid out for it), or None when
+        the rows do not fill whole blocks of 16 (the caller rebuilds the matrix)."""
+        if start % 16 or (size % 16 and start + size != self.n):
+            return None
+        return self.blocked[start // 16 : -(-(start + size) // 16)], _blocked(values)
+
+
+def dense_kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:
+    """fp32 on a CPU with verispec's kernels: the exact tier's dense matrices run `DenseLinear`."""
+    return dtype == torch.float32 and torch.device(device).type == "cpu" and cpu_kernels_available()
+
+
 def _blocked(t: torch.Tensor) -> torch.Tensor:
     """[N, C] -> [N/16, C, 16], padding N with zeros to a multiple of 16."""
     t = F.pad(t, (0, 0, 0, -t.shape[0] % 16))
@@ -354,6 +398,8 @@ def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Te
             return QuantLinear(weight, dtype, device, bias, **quant_options)
         weight = weight.dequantize()
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    if dense_kernel_wanted(dtype, device):
+        return DenseLinear(weight.to(device=device, dtype=dtype), bias)
     return Linear(weight.to(device=device, dtype=dtype), bias)
 
 

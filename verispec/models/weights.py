@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from verispec.models.config import ModelConfig
-from verispec.models.linear import Linear
+from verispec.models.linear import DenseLinear, Linear
 from verispec.models.llama import DecoderLayer, LlamaModel
 from verispec.models.loader import internal_name
 from verispec.models.quant import QuantizedWeight, requantize
@@ -127,8 +127,9 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
             continue  # a drafting copy with fewer layers
         mine = {n: w for n, w in new.items() if n.startswith(f"layers.{i}.")}
         old = model.layers[i]
-        if all(isinstance(m, Linear) for m, _, _ in _units(old)):
-            pairs += _dense_layer_pairs(old, f"layers.{i}.", mine)  # slices written in place: no allocation
+        dense = _dense_layer_pairs(old, f"layers.{i}.", mine)  # slices written in place: no allocation
+        if dense is not None:
+            pairs += dense
         else:
             fresh = DecoderLayer(model.cfg, _layer_parts(model, i) | mine, i, model.dtype, model.embed.device,
                                  model.parallel)
@@ -142,9 +143,9 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
     if "embed" in new or "lm_head" in new:
         embed = new.get("embed", model.sources.get("embed", model.embed))
         lm_head = new.get("lm_head", model.sources.get("lm_head", _dense_head(model)))
-        if isinstance(model.lm_head, Linear) and model.lm_head.bias is None:
-            head = lm_head if lm_head is not None and not model.cfg.tie_word_embeddings else embed
-            pairs.append(("lm_head", model.lm_head.weight_t, head.t()))
+        head = lm_head if lm_head is not None and not model.cfg.tie_word_embeddings else embed
+        if isinstance(model.lm_head, (Linear, DenseLinear)) and not isinstance(head, QuantizedWeight):
+            pairs.append(("lm_head", *model.lm_head.part(0, model.lm_head.matrix().shape[0], head.to(model.dtype))))
         else:
             pairs += _tensor_pairs("lm_head", model.lm_head, model.make_head(embed, lm_head))
     for name, old, fresh in pairs:
@@ -156,9 +157,9 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
 
 def _dense_head(model: LlamaModel) -> torch.Tensor | None:
     """An untied dense head's current matrix (None when tied: make_head then uses the embedding)."""
-    if model.cfg.tie_word_embeddings or not isinstance(model.lm_head, Linear):
+    if model.cfg.tie_word_embeddings or not isinstance(model.lm_head, (Linear, DenseLinear)):
         return None
-    return model.lm_head.weight_t.t()
+    return model.lm_head.matrix()
 
 
 def _units(layer: DecoderLayer) -> list[tuple[nn.Module, tuple[str, ...], tuple[int, ...]]]:
@@ -168,15 +169,21 @@ def _units(layer: DecoderLayer) -> list[tuple[nn.Module, tuple[str, ...], tuple[
             (layer.gate_up, ("gate", "up"), (layer.inter, layer.inter)), (layer.down, ("down",), (layer.down_rows,))]
 
 
-def _dense_layer_pairs(layer: DecoderLayer, p: str, new: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(name, slice of the layer's tensor, new values) for a layer of dense matrices: a part of a
-    fused matrix is a column slice of its transposed weight, a bias a slice of the fused bias."""
+def _dense_layer_pairs(layer: DecoderLayer, p: str, new: dict) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
+    """(name, slice of the layer's tensor, new values) for a layer of dense matrices (`part`: a
+    column slice of a transposed weight, or whole blocks of a blocked one), a bias a slice of the
+    fused bias; None where a matrix is quantized or a part is not a slice (the layer is rebuilt)."""
+    if not all(isinstance(m, (Linear, DenseLinear)) for m, _, _ in _units(layer)):
+        return None
     pairs = [(p + n, getattr(layer, n).weight, new[p + n]) for n in _LAYER_NORMS if p + n in new]
     for module, names, sizes in _units(layer):
         start = 0
         for name, size in zip(names, sizes):
             if p + name in new:
-                pairs.append((p + name, module.weight_t[:, start:start + size], new[p + name].t()))
+                part = module.part(start, size, new[p + name])
+                if part is None:
+                    return None
+                pairs.append((p + name, *part))
             if p + name + "_bias" in new:
                 pairs.append((p + name + "_bias", module.bias[start:start + size], new[p + name + "_bias"]))
             start += size
@@ -192,7 +199,7 @@ def _layer_parts(model: LlamaModel, i: int) -> dict[str, "torch.Tensor | Quantiz
         if all(p + n in model.sources for n in names):
             parts |= {p + n: model.sources[p + n] for n in names}
         else:
-            parts |= dict(zip([p + n for n in names], module.weight_t.t().split(sizes)))
+            parts |= dict(zip([p + n for n in names], module.matrix().split(sizes)))
         if module is layer.qkv and module.bias is not None:
             parts |= dict(zip([p + "q_bias", p + "k_bias", p + "v_bias"], module.bias.split(sizes)))
     return parts

@@ -11,6 +11,10 @@
 // output sums its K products in order, one lane each: a row's result does not depend on how many
 // rows share the call, and differs from a dense fp32 matmul on the decoded weights only in the
 // order of its sums.
+//
+// `dense_linear` runs the same tile on dense fp32 weights [N/16, K, 16] (the exact tier's
+// matrices): a BLAS matmul picks its kernel by the row count, so a row's rounding would depend on
+// the rows beside it; here it never does (batch invariance).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -74,6 +78,29 @@ void tile(const float* x, int64_t ldx, const Weights& wt, float* y, int64_t ldy)
   }
 }
 
+// y[r, block] for R rows of fp32 x and a block of dense fp32 weights [K][16].
+template <int R>
+void dense_tile(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy) {
+  for (int l = 0; l < kLanes; ++l) {
+    Vec acc[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = Vec(0.f);
+    for (int64_t i = 0; i < k; ++i) {
+      const Vec wv = Vec::loadu(w + i * kCols + l * Vec::size());
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[r] = at::vec::fmadd(Vec(x[r * ldx + i]), wv, acc[r]);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r].store(y + r * ldy + l * Vec::size());
+  }
+}
+
+using DenseTileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+template <int... R>
+constexpr std::array<DenseTileFn, sizeof...(R)> dense_tiles(std::integer_sequence<int, R...>) {
+  return {&dense_tile<R + 1>...};
+}
+
 template <typename C>
 using TileFn = void (*)(const float*, int64_t, const Weights&, float*, int64_t);
 template <typename C, int... R>
@@ -128,9 +155,34 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return matmul<uint8_t>(x, codes, scales, offsets, n);
 }
 
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weights, int64_t n) {
+  static constexpr auto kTiles = dense_tiles(std::make_integer_sequence<int, kRows>{});
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "dense_linear: x [M, K] float32");
+  TORCH_CHECK(weights.dim() == 3 && weights.size(2) == kCols && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(),
+              "dense_linear: weights [N/16, K, 16] float32, contiguous");
+  const int64_t m = x.size(0), k = x.size(1), blocks = weights.size(0);
+  TORCH_CHECK(weights.size(1) == k, "dense_linear: x has ", k, " columns, the weights ", weights.size(1));
+  TORCH_CHECK(n > blocks * kCols - kCols && n <= blocks * kCols, "dense_linear: n does not match the weights");
+  const at::Tensor xf = x.contiguous();
+  at::Tensor y = at::empty({m, blocks * kCols}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = weights.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = blocks * kCols;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t r0 = 0; r0 < m; r0 += kRows)
+        kTiles[std::min(kRows, m - r0) - 1](xp + r0 * k, k, wp + b * k * kCols, k, yp + r0 * ldy + b * kCols, ldy);
+  });
+  return n == ldy ? y : y.narrow(1, 0, n).contiguous();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(verispec_cpu, m) {
+  m.def("dense_linear(Tensor x, Tensor weights, int n) -> Tensor");
+  m.impl("dense_linear", c10::DispatchKey::CPU, &dense_linear);
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int n) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scales, Tensor offsets, int n) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
