@@ -354,6 +354,22 @@ def test_rms_norm_computes_its_one_order_bit_for_bit(cpu_kernels_loaded, dtype, 
     assert ((y.double() - want).abs() <= 2.1 * EPS[dtype] * want.abs() + subnormal).all()
 
 
+@pytest.mark.parametrize("d", [576, 100, 7])
+def test_fp32_rms_norm_is_one_order_within_the_bound(cpu_kernels_loaded, d):
+    """The exact tier's norm on the op (compiled and eager alike): each row's bits do not depend
+    on the rows beside it, and it is within fp32's bound of float64: d rounded squares and sums
+    (d + 1 units), half that through the square root, two more roundings."""
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(300, d, generator=g) * torch.randn(300, d, generator=g).mul(1.5).exp()
+    w = torch.rand(d, generator=g) + 0.5
+    y = torch.ops.verispec_cpu.rms_norm(x, w, 1e-5)
+    assert y.dtype == torch.float32
+    assert torch.equal(y[7:8], torch.ops.verispec_cpu.rms_norm(x[7:8], w, 1e-5))
+    xd = x.double()
+    want = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert ((y.double() - want).abs() <= (d / 2 + 4) * 2.0**-24 * want.abs()).all()
+
+
 def test_rms_norm_takes_any_leading_shape_and_strides_and_refuses_mismatches(cpu_kernels_loaded):
     x = torch.randn(4, 6, 32).bfloat16()
     w = torch.rand(32).bfloat16()
@@ -361,8 +377,8 @@ def test_rms_norm_takes_any_leading_shape_and_strides_and_refuses_mismatches(cpu
     assert torch.equal(torch.ops.verispec_cpu.rms_norm(view, w, 1e-6), one_order_rms_norm(view.contiguous(), w, 1e-6))
     with pytest.raises(RuntimeError, match="last dimension"):
         torch.ops.verispec_cpu.rms_norm(x, torch.rand(16).bfloat16(), 1e-6)
-    with pytest.raises(RuntimeError, match="bfloat16 or both float16"):
-        torch.ops.verispec_cpu.rms_norm(x.float(), w.float(), 1e-6)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.verispec_cpu.rms_norm(x.float(), w, 1e-6)
 
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")

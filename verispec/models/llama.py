@@ -24,10 +24,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
-        # bf16 / fp16 on a CPU: verispec's op, one order of arithmetic in the compiled graph and
-        # eager alike (Inductor's own reduction rounds some rows differently: batch invariance).
-        self.fixed_order = (weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
-                            and cpu_kernels_available())
+        # On a CPU: verispec's op, one order of arithmetic in the compiled graph and eager alike
+        # (Inductor's own reduction rounds some rows differently: batch invariance).
+        self.fixed_order = (weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                            and weight.device.type == "cpu" and cpu_kernels_available())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fixed_order:

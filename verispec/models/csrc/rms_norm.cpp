@@ -1,13 +1,15 @@
-// RMSNorm of bf16 or fp16 rows for the CPU, in one fixed order of arithmetic:
+// RMSNorm of fp32, bf16 or fp16 rows for the CPU, in one fixed order of arithmetic:
 //   y = weight * half(x * 1 / sqrt(mean(x^2) + eps)),
-// normalised in fp32 and rounded once before the scale, as the reference implementation does.
+// normalised in fp32 and rounded once before the scale (no rounding for fp32), as the reference
+// implementation does.
 //
 // Why an op of its own: the compiled layer stack and the eager one must give a row the same bits
 // (a verify step too long for the graph runs eager, the same request's decode steps compiled), and
 // Inductor's fused reduction sums the squares in another order than ATen's, which rounds a row
 // differently now and then. Here the squares go into 16 fp32 lanes in order (a bf16 or fp16 square
 // is exact in fp32, so a fused multiply-add changes nothing) and the lanes are summed pairwise in
-// a fixed tree: the same bits at every instruction-set level, in every path and for every row.
+// a fixed tree: the same bits at every instruction-set level, in every path and for every row
+// (for fp32 the squares round, so the bits are fixed per build: every path of one machine).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,12 +59,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "rms_norm: weight must have x's last dimension");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf),
-              "rms_norm: x and weight must both be bfloat16 or both float16");
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                   x.scalar_type() == at::kHalf),
+              "rms_norm: x and weight must both be float32, bfloat16 or float16");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor y = at::empty_like(xc);
   const int64_t d = x.size(-1), rows = d ? xc.numel() / d : 0;
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "rms_norm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     normalize_rows(xc.const_data_ptr<scalar_t>(), wc.const_data_ptr<scalar_t>(), y.mutable_data_ptr<scalar_t>(),
                    rows, d, static_cast<float>(eps));
   });
