@@ -213,6 +213,15 @@ def format_ratios(results: list[Result], headline: dict[str, str] | None = None)
     return "\n".join(lines)
 
 
+def write_section(out: Path, stem: str, md: str, doc: dict[str, Any]) -> str:
+    """A verispec-only scenario's table as `stem`.md and its figures as `stem`.json under `out`;
+    returns the Markdown for stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(md + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
+    return md
+
+
 def write_json(path: Path, doc: dict[str, Any], results: list[Result], headline: dict[str, str]) -> None:
     doc = {
         **doc,

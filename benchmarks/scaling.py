@@ -12,7 +12,6 @@ and the bytes the step moves between ranks: all-reduced (each rank's payload), g
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.prompts import chat_prompts
+from benchmarks.report import write_section
 
 TIERS = {"exact fp32": {"dtype": "float32"}, "fast bf16": {"dtype": "auto"}}
 _COUNTERS = ("bytes_reduced", "bytes_gathered", "bytes_broadcast", "bytes_control")
@@ -136,10 +136,7 @@ def plot_scaling(path: Path, rows: list[ScalingRow], machine: dict[str, Any]) ->
 
 def write_scaling(out: Path, machine: dict[str, Any], rows: list[ScalingRow]) -> str:
     """scaling.md, scaling.json and scaling.png under `out`; returns the Markdown for stdout."""
-    md = format_scaling_table(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "scaling.md").write_text(md + "\n")
-    (out / "scaling.json").write_text(json.dumps(
-        {"machine": machine, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=2))
+    md = write_section(out, "scaling", format_scaling_table(rows),
+                       {"machine": machine, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]})
     plot_scaling(out / "scaling.png", rows, machine)
     return md

@@ -5,13 +5,14 @@ file (checkpoint read, kernels and compile caches warm, so the cheapest possible
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from benchmarks.report import write_section
 
 
 TIERS = {"exact": {"dtype": "float32"}, "fast": {}}
@@ -84,9 +85,5 @@ def format_weights(rows: list[WeightsRow]) -> str:
 
 
 def write_weights(out: Path, machine: dict[str, Any], rows: list[WeightsRow]) -> str:
-    md = format_weights(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "weights.md").write_text(md + "\n")
-    (out / "weights.json").write_text(json.dumps(
-        {"machine": machine, "rows": [{**asdict(r), "met": r.met} for r in rows]}, indent=2))
-    return md
+    return write_section(out, "weights", format_weights(rows),
+                         {"machine": machine, "rows": [{**asdict(r), "met": r.met} for r in rows]})
