@@ -1,11 +1,9 @@
 """Linear layers: dense weights, or quantized weights kept packed for a quantized kernel.
 
-On a CPU with verispec's kernels the fast tier runs `PackedLinear` (the file's blocks, verispec's
-packed kernel) and the exact tier on codes `DecodedLinear`; `QuantLinear` (torch's int4 kernels,
-below) serves CUDA and CPUs without verispec's kernels.
-
-Dense weights are held transposed ([in, out]): on this CPU class `x @ W_t` beats
-`F.linear(x, W)` by up to 2x for the skinny decode shapes (see docs/design.md).
+On a CPU with verispec's kernels the fast tier runs `PackedLinear`, the exact tier `DenseLinear`
+(dense fp32) or `DecodedLinear` (codes); `QuantLinear` (torch's int4 kernels) serves the rest.
+Elsewhere dense weights are held transposed ([in, out]): `x @ W_t` beats `F.linear(x, W)` by up to
+2x for the skinny decode shapes (see docs/design.md).
 
 On torch's kernels a quantized matrix runs through `_weight_int4pack_mm` (CUDA) / `_weight_int4pack_mm_for_cpu`,
 which compute w = (c - 8) * S + Z per group of 32 with codes c in 0..15. Both of our formats map
@@ -54,8 +52,7 @@ class Linear(nn.Module):
         """residual + x @ W_t in one fused op (no bias: o and down projections have none)."""
         return torch.addmm(residual, x, self.weight_t)
 
-    def matrix(self) -> torch.Tensor:
-        """The [N, K] weights (a view)."""
+    def matrix(self) -> torch.Tensor:  # the [N, K] weights (a view)
         return self.weight_t.t()
 
     def part(self, start: int, size: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,10 +211,8 @@ class DecodedLinear(nn.Module):
 
 
 class DenseLinear(nn.Module):
-    """A dense fp32 matrix on verispec's CPU kernel (`csrc/quant_linear.cpp`, `dense_linear`): every
-    output sums its K products in order, one vector lane per output column, whatever the number of
-    rows, so a row's result never depends on the rows beside it (a BLAS matmul picks its kernel,
-    and so its rounding, by the row count). The exact tier's matrices on a CPU with the kernels."""
+    """The exact tier's fp32 matrix on verispec's kernel (`csrc/quant_linear.cpp`): one order of sums
+    whatever the row count, so a row's bits never depend on its neighbours (BLAS's do)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -232,20 +227,17 @@ class DenseLinear(nn.Module):
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return residual + self(x)
 
-    def matrix(self) -> torch.Tensor:
-        """The [N, K] weights (a copy)."""
+    def matrix(self) -> torch.Tensor:  # the [N, K] weights (a copy)
         return self.blocked.transpose(1, 2).reshape(-1, self.k)[: self.n]
 
     def part(self, start: int, size: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(where rows start..start+size live, `values` [size, K] laid out for it), or None when
-        the rows do not fill whole blocks of 16 (the caller rebuilds the matrix)."""
+        """Linear.part for blocks of 16 rows; None where the rows split a block (rebuild instead)."""
         if start % 16 or (size % 16 and start + size != self.n):
             return None
         return self.blocked[start // 16 : -(-(start + size) // 16)], _blocked(values)
 
 
-def dense_kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:
-    """fp32 on a CPU with verispec's kernels: the exact tier's dense matrices run `DenseLinear`."""
+def dense_kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:  # fp32 on a CPU with the kernels
     return dtype == torch.float32 and torch.device(device).type == "cpu" and cpu_kernels_available()
 
 
