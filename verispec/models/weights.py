@@ -145,7 +145,7 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
         lm_head = new.get("lm_head", model.sources.get("lm_head", _dense_head(model)))
         head = lm_head if lm_head is not None and not model.cfg.tie_word_embeddings else embed
         if isinstance(model.lm_head, (Linear, DenseLinear)) and not isinstance(head, QuantizedWeight):
-            pairs.append(("lm_head", *model.lm_head.part(0, model.lm_head.matrix().shape[0], head.to(model.dtype))))
+            pairs.append(("lm_head", *model.lm_head.part(0, head.shape[0], head.to(model.dtype))))
         else:
             pairs += _tensor_pairs("lm_head", model.lm_head, model.make_head(embed, lm_head))
     for name, old, fresh in pairs:
