@@ -3,7 +3,7 @@ updates over HTTP, with the standard library only (a training process imports no
 server). Errors come back as `ControlError` with the server's status and message.
 
     server = ServerControl("http://127.0.0.1:8000", api_key=key)
-    server.push_weights(model.state_dict(), "/shared/step-12", weight_version=12)
+    server.push_weights(model.state_dict(), "checkpoints/step-12", weight_version=12)
 """
 
 from __future__ import annotations
