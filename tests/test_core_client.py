@@ -80,9 +80,15 @@ def test_an_unreadable_output_fails_the_request_it_names_alone(wired):
 
     async def scenario():
         client._tasks = [asyncio.create_task(client._output_loop())]
-        long = asyncio.create_task(_collect(client, "long", SamplingParams(**{**GOOD, "max_tokens": 400})))
+        stream = client.generate("long", [5, 6, 7], SamplingParams(**{**GOOD, "max_tokens": 400}))
+        first = await stream.__anext__()  # "long" runs now, with hundreds of steps to go (no fixed sleep)
+        assert not first.finished
+
+        async def rest():
+            return [first] + [delta async for delta in stream]
+
+        long = asyncio.create_task(rest())
         short = asyncio.create_task(_collect(client, "short", SamplingParams(**GOOD)))
-        await asyncio.sleep(0.2)
         # A second pusher on the frontend's output socket: a delta for "long" whose fields are wrong.
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
