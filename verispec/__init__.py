@@ -2,7 +2,7 @@
 
 from verispec.config import EngineConfig, LogprobsMode
 from verispec.entrypoints.llm import LLM
-from verispec.outputs import CompletionOutput, Logprob, LogprobsLists, LogprobsTensors, RequestOutput
+from verispec.outputs import CompletionOutput, Logprob, LogprobsLists, LogprobsTensors, RequestOutput, ScoreOutput
 from verispec.sampling_params import SamplingParams
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "LogprobsMode",
     "EngineConfig",
     "RequestOutput",
+    "ScoreOutput",
     "CompletionOutput",
     "Logprob",
     "LogprobsTensors",

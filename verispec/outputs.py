@@ -33,6 +33,27 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class ScoreOutput:
+    """`LLM.score`'s answer for one completion: each token's logprob dict, as the rollout's
+    `CompletionOutput.logprobs` has it (the token and its top `logprobs`)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the completion
+    logprobs: list[dict[int, Logprob]]
+    weight_version: int | str = 0
+    error: str | None = None
+
+    @property
+    def token_logprobs(self) -> list[float]:
+        return [d[t].logprob for d, t in zip(self.logprobs, self.token_ids)]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """Summed in order, as the rollout's `cumulative_logprob` is."""
+        return sum(self.token_logprobs, 0.0)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

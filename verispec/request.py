@@ -16,6 +16,17 @@ if TYPE_CHECKING:
     from verispec.spec_decode.adaptive import RequestHistory
 
 
+@dataclass(slots=True, frozen=True)
+class ScoredCompletion:
+    """A request that scores a given completion (`LLM.score`): its prompt tokens from `start` on
+    are the completion, and their rows are scored as the rollout's decode rows were, under the
+    rollout's `params` (penalties, bad words and min_tokens see the completion as output)."""
+
+    start: int  # index of the completion's first token in the engine prompt
+    params: SamplingParams  # the rollout's parameters
+    rows_key: tuple = ()  # what besides the prefix decides the rows (the prefix cache's key)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -71,8 +82,12 @@ class Request:
     # fairly between groups, so one request of 3,000 prompts cannot starve a later one.
     group: str = ""
     arrival: int = -1  # queue order, set when first queued; a preempted request keeps its place
+    scored: ScoredCompletion | None = None
 
     def __post_init__(self) -> None:
+        if self.scored is not None:  # only the completion's rows are scored
+            self.prompt_logprobs = [None] * self.scored.start
+            self.num_prompt_logprob_rows = self.scored.start - 1
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if not self.group:

@@ -61,3 +61,18 @@ def text_encoder(tokenizer: Any) -> TextEncoder:
     if enc is None:
         enc = _ENCODERS[tokenizer] = TextEncoder(tokenizer)
     return enc
+
+
+def bad_word_ids(tokenizer: Any, words: list[str] | None) -> list[list[int]]:
+    """`bad_words` as token sequences: each word alone and after a space, special-token text as
+    text (banning "<|im_end|>" must not ban the control token)."""
+    if not words:
+        return []
+    if tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer; this model has none")
+    seqs = []
+    variants = [v for word in words for v in (word, " " + word.lstrip())]
+    for ids in text_encoder(tokenizer).encode(variants, special_tokens=False):
+        if ids and ids not in seqs:
+            seqs.append(ids)
+    return seqs

@@ -19,6 +19,7 @@ from verispec.engine.output_processor import OutputProcessor
 from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.runner import ModelRunner
 from verispec.engine.scheduler import Scheduler
+from verispec.engine.scoring import scoring_request
 from verispec.engine.startup import RuntimeInfo, StartupLog
 from verispec.engine.step import SchedulerOutput
 from verispec.distributed.weight_group import WeightGroupSpec
@@ -35,7 +36,7 @@ from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
 from verispec.spec_decode.metrics import SpecDecodeMetrics
 from verispec.spec_decode.registry import make_adaptive, make_drafter
-from verispec.tokenization import text_encoder
+from verispec.tokenization import bad_word_ids
 
 logger = logging.getLogger("verispec")
 
@@ -156,28 +157,25 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        group: str | None = None,
+        group: str | None = None, completion: list[int] | None = None,
     ) -> None:
         """`group`: the client request this one belongs to (default: itself); the scheduler shares
-        the running slots fairly between groups. Every child (n > 1) is in the same group."""
+        the running slots fairly between groups. Every child (n > 1) is in the same group.
+        `completion`: score these tokens after the prompt under `params` (engine/scoring.py)."""
         params = SamplingParams() if params is None else params.clone()
         params.validate()  # fields may have been changed since construction
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        scored = None
+        if completion is not None:
+            params, scored = scoring_request(params, ids, completion, self.vocab_size)
+            ids = ids + list(completion)
         self._check_prompt(ids)
         params.check_against_model(self.vocab_size, self.config.max_logprobs)
-        max_tokens = self.max_model_len - len(ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        if not self.pool.can_ever_fit(len(ids) + max_tokens):
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs "
-                f"{self.pool.blocks_needed(len(ids) + max_tokens)} KV blocks but the pool has "
-                f"{self.pool.num_blocks}; lower max_tokens or raise num_kv_blocks / kv_cache_bytes"
-            )
-        bad_words = self._bad_word_ids(params.bad_words)
+        max_tokens = self._max_tokens(ids, params)
+        bad_words = bad_word_ids(self.tokenizer, params.bad_words)
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         mode = params.logprobs_mode or self.config.logprobs_mode
         # Compiled (and checked) before any child is queued: a bad grammar refuses the whole request.
@@ -207,11 +205,25 @@ class LLMEngine:
                 prefill_leader=parent.children[0] if i > 0 else None,
                 grammar=grammars[i],
                 group=group or request_id,
+                scored=scored,
             )
             parent.children.append(req)
             self._child_parent[child_id] = request_id
             self.scheduler.add(req)
         self._parents[request_id] = parent
+
+    def _max_tokens(self, ids: list[int], params: SamplingParams) -> int:
+        """The request's output limit; a ValueError when prompt and output can never fit the pool."""
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        if not self.pool.can_ever_fit(len(ids) + max_tokens):
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) needs "
+                f"{self.pool.blocks_needed(len(ids) + max_tokens)} KV blocks but the pool has "
+                f"{self.pool.num_blocks}; lower max_tokens or raise num_kv_blocks / kv_cache_bytes"
+            )
+        return max_tokens
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -223,19 +235,6 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
                 "the prompt must leave room for at least one generated token"
             )
-
-    def _bad_word_ids(self, words: list[str] | None) -> list[list[int]]:
-        if not words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer; this model has none")
-        seqs = []
-        variants = [v for word in words for v in (word, " " + word.lstrip())]
-        # Special-token text in a bad word is text: banning "<|im_end|>" must not ban the control token.
-        for ids in text_encoder(self.tokenizer).encode(variants, special_tokens=False):
-            if ids and ids not in seqs:
-                seqs.append(ids)
-        return seqs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request; returns its last output (finish_reason "abort"), None for an unknown id."""

@@ -162,7 +162,7 @@ class PrefixCache:
         """Cuts the hit back so that every prompt row it skips is read from the cache."""
         size, first = self.pool.block_size, req.num_prompt_logprob_rows
         end = req.num_prompt_tokens - 1  # rows at positions [first, end) are still wanted
-        key, width = prompt_rows_key(req.params, req.logprobs_mode), req.params.prompt_logprobs
+        key, width = _rows_key(req), req.params.prompt_logprobs
         parts, b = [], first // size  # blocks before b hold no wanted row
         while b < len(blocks) and b * size < end:
             # A hit never covers the last prompt token, so the token after a hit block is a prompt token.
@@ -207,7 +207,7 @@ class PrefixCache:
         if pending is not None and pending[0] + len(pending[1]) == first:
             first, rows = pending[0], LogprobsLists.cat([pending[1], rows])
         size, end, last = self.pool.block_size, first + len(rows), req.num_prompt_tokens - 1
-        key = prompt_rows_key(req.params, req.logprobs_mode)
+        key = _rows_key(req)
         hashes = self.block_hashes(req)
         b = -(-first // size)
         # Block b's rows are at positions [b*B, (b+1)*B); the last of them predicts prompt token (b+1)*B.
@@ -225,3 +225,9 @@ class PrefixCache:
         self.epoch += 1
         self.pool.reset_cache()
         self.rows.clear()
+
+
+def _rows_key(req: Request) -> tuple:
+    """What besides the prefix decides a request's prompt rows: a scored completion's rows see it
+    as output (engine/scoring.py)."""
+    return prompt_rows_key(req.params, req.logprobs_mode) + (req.scored.rows_key if req.scored is not None else ())

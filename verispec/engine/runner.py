@@ -121,8 +121,11 @@ class ModelRunner:
         jobs = []
         for job in batch.prompt_jobs:
             req, lo, hi = job.request, job.lo, job.hi
-            spec = replace(RowSpec.for_request(req), noise=None, position_independent=True,
-                           num_logprobs=req.params.prompt_logprobs)
+            if req.scored is not None:  # LLM.score: each row as the rollout's decode row
+                spec = [RowSpec.for_scored_row(req, position) for position in range(lo, hi)]
+            else:
+                spec = replace(RowSpec.for_request(req), noise=None, position_independent=True,
+                               num_logprobs=req.params.prompt_logprobs)
             targets = to_device(req.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
             tensors = score_prompt_rows(self.model.compute_logits, hidden[job.first_row : job.first_row + hi - lo],
                                         targets, spec, self.vocab_size, self.config.prompt_logprobs_chunk_rows)

@@ -12,7 +12,8 @@ from verispec.distributed.weight_group import WeightGroupSpec
 from verispec.engine.llm_engine import LLMEngine
 from verispec.engine.weight_sync import WeightsLike, WeightUpdate, WeightVersion
 from verispec.entrypoints.chat_utils import chat_prompt_ids
-from verispec.outputs import RequestOutput
+from verispec.engine.scoring import score_output
+from verispec.outputs import RequestOutput, ScoreOutput
 from verispec.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
@@ -75,27 +76,51 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         prompt_list = self._normalize_prompts(prompts)
+        return self._run(self._add(prompt_list, self._params_list(sampling_params, len(prompt_list))), use_tqdm)
+
+    def score(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        completions: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoreOutput]:
+        """Teacher-forced logprobs: for each prompt and completion (token ids, as a rollout
+        returned them), every completion token's logprob dict under `sampling_params`, the
+        parameters that produced it (logprobs mode, temperature, top-k/p, penalties, ...;
+        `logprobs` is the top-k width). Bit for bit the rollout's values in the batch-invariant
+        tiers (docs/rl.md). prompt + completion must be shorter than max_model_len."""
+        prompt_list = self._normalize_prompts(prompts)
+        completion_list = [list(c) for c in completions]
+        if len(completion_list) != len(prompt_list):
+            raise ValueError(f"completions has {len(completion_list)} entries but there are {len(prompt_list)} prompts")
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        outs = self._run(self._add(prompt_list, params_list, completion_list), use_tqdm)
+        return [score_output(out, len(out.prompt_token_ids) - len(c)) for out, c in zip(outs, completion_list)]
+
+    @staticmethod
+    def _params_list(sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
-        elif isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts"
-                )
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params_list = list(sampling_params)
+        if len(params_list) != count:
+            raise ValueError(f"sampling_params has {len(params_list)} entries but there are {count} prompts")
+        return params_list
+
+    def _add(self, prompts: list, params_list: list[SamplingParams], completions: list | None = None) -> list[str]:
         ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, completion=completions[i] if completions else None)
                 ids.append(rid)
         except Exception:
             for rid in ids:  # a bad prompt leaves no half-added batch behind
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -61,6 +61,16 @@ class RowSpec:
             device_tail=device_tail,
         )
 
+    @classmethod
+    def for_scored_row(cls, req: "Request", position: int) -> "RowSpec":
+        """The row at `position` of a scored completion (`LLM.score`), as the rollout's decode
+        row was: the rollout's parameters, the completion up to `position` as output."""
+        scored = req.scored
+        return cls(params=scored.params, prompt_ids=req.prompt_token_ids[: scored.start],
+                   output_ids=req.prompt_token_ids[scored.start : position + 1], noise=None, stop_ids=req.stop_ids,
+                   mode=req.logprobs_mode, num_logprobs=req.params.prompt_logprobs,
+                   bad_words_token_ids=req.bad_words_token_ids)
+
     def host_output_ids(self) -> list[int]:
         """output_ids without the device tail: the values the host knows."""
         n = 0 if self.device_tail is None else self.device_tail.shape[0]

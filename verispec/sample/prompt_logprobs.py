@@ -22,18 +22,21 @@ def score_prompt_rows(
     compute_logits,
     hidden: torch.Tensor,  # [N, hidden] rows predicting `targets`
     targets: torch.Tensor,  # [N] the actual next prompt tokens
-    spec: RowSpec,  # position-independent; num_logprobs is the prompt's top-k (-1: all)
+    spec: RowSpec | list[RowSpec],  # one position-independent spec, or one per row (LLM.score)
     vocab_size: int,
     chunk_rows: int,
 ) -> LogprobsTensors:
-    scoring = RequestScoring.build([spec.mode], [spec.num_logprobs], [None], vocab_size, hidden.device)
+    """num_logprobs of the spec(s) is the prompt's top-k (-1: all); every row shares its mode."""
+    first = spec[0] if isinstance(spec, list) else spec
+    scoring = RequestScoring.build([first.mode], [first.num_logprobs], [None], vocab_size, hidden.device)
     parts = []
     for start in range(0, hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         raw = compute_logits(hidden[rows])
         processed = None
-        if not spec.mode.is_raw:
-            processed = apply_processors(raw, SamplingMetadata.build([spec] * raw.shape[0], vocab_size, raw.device))
+        if not first.mode.is_raw:
+            specs = spec[rows] if isinstance(spec, list) else [spec] * raw.shape[0]
+            processed = apply_processors(raw, SamplingMetadata.build(specs, vocab_size, raw.device))
             raw = None  # a processed mode never reads the raw scores: free them first
         row_req = torch.zeros(targets[rows].shape[0], dtype=torch.long, device=hidden.device)
         parts.append(scoring.score(raw, processed, targets[rows], row_req))
