@@ -234,7 +234,9 @@ class DenseLinear(nn.Module):
         """Linear.part for blocks of 16 rows; None where the rows split a block (rebuild instead)."""
         if start % 16 or (size % 16 and start + size != self.n):
             return None
-        return self.blocked[start // 16 : -(-(start + size) // 16)], _blocked(values)
+        # Whole blocks: a strided view, laid out by the commit's copy (no fresh temporaries to fault in).
+        view = values.reshape(-1, 16, self.k).transpose(1, 2) if size % 16 == 0 else _blocked(values)
+        return self.blocked[start // 16 : -(-(start + size) // 16)], view
 
 
 def dense_kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:  # fp32 on a CPU with the kernels
@@ -287,7 +289,6 @@ class PackedLinear(nn.Module):
     does not depend on the rows beside it, nor on the instruction set. In a step past
     `kernel_max_rows` rows, long prefill chunks' rows take a dense matmul on the matrix decoded
     (exactly, then rounded once), while decode and verify rows stay on the kernel (`step_rows`).
-
     `float_output` (the lm_head) returns fp32 logits whatever the activations' dtype."""
 
     def __init__(self, weight: QuantizedWeight, device: torch.device, bias: torch.Tensor | None = None,
