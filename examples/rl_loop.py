@@ -145,25 +145,26 @@ def plot(history: list[StepStats], path: str, bound: float | None = None) -> Non
     import matplotlib.pyplot as plt
 
     steps = [s.step for s in history]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     ax = axes[0]
     ax.semilogy(steps, [s.gap_mean for s in history], "o-", label="mean")
     ax.semilogy(steps, [s.gap_max for s in history], "s-", label="max")
     if bound is not None:
         ax.axhline(bound, color="gray", ls="--", label="fp32 bound")
-    ax.set(title="|rollout - trainer| logprob (exact tier)", xlabel="step")
+    ax.set(title="|rollout - trainer| logprob", xlabel="step")
     ax.legend()
     ax = axes[1]
     ax.plot(steps, [s.ratio_max - 1 for s in history], "o-", label="max - 1")
     ax.plot(steps, [s.ratio_min - 1 for s in history], "s-", label="min - 1")
     ax.set(title="importance ratio exp(trainer - rollout)", xlabel="step")
     ax.legend()
-    ax = axes[2]
-    ax.plot(steps, [s.reward for s in history], "o-", label="reward")
-    ax.plot(steps, [s.update_s for s in history], "s-", label="update_weights (s)")
-    ax.plot(steps, [s.score_gap for s in history], "^-", label="|score - rollout| max")
-    ax.set(title="reward, update time, score gap", xlabel="step")
-    ax.legend()
+    axes[2].plot(steps, [s.reward for s in history], "o-")
+    axes[2].set(title="mean reward", xlabel="step")
+    axes[3].plot(steps, [s.update_s for s in history], "o-")
+    score = max(s.score_gap for s in history)
+    axes[3].set(title=f"update_weights (s); |score - rollout| max {score:g}", xlabel="step", ylim=(0, None))
+    for ax in axes:
+        ax.xaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
