@@ -1,8 +1,7 @@
 """The linear layers other than the packed kernel (verispec/models/linear.py; `PackedLinear` is
 test_packed_linear.py's): the dense layer against `F.linear`, the nibble packing round trip, the
 int4 planes' matrices against the quantized weight's exact values, `QuantLinear` against a float64
-matmul on both of its paths, the packed-format rules, `make_linear`'s choice of layer and
-`step_rows`' split of a long step."""
+matmul on both of its paths, the packed-format rules and `make_linear`'s choice of layer."""
 
 from __future__ import annotations
 
@@ -11,12 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from verispec.models import cpu_kernels
-from verispec.models.attention import SeqSpan
 from verispec.models.linear import (
-    PACKED_FORMATS, DecodedLinear, Linear, QuantLinear, make_linear, pack_nibbles, packed_format, step_rows,
+    PACKED_FORMATS, DecodedLinear, Linear, QuantLinear, make_linear, pack_nibbles, packed_format,
     unpack_nibbles,
 )
-from verispec.models import linear as linear_mod
 from verispec.models.quant import QuantizedWeight, quantize_rtn
 
 CPU = torch.device("cpu")
@@ -81,16 +78,6 @@ def test_make_linear_picks_the_layer_for_the_weight():
     assert isinstance(fp32, DecodedLinear if cpu_kernels.cpu_kernels_available() else Linear)
     odd = quantize_rtn(weight(8, 96), 4, group_size=96)  # no int4 kernel takes groups of 96
     assert isinstance(make_linear(odd, torch.bfloat16, CPU), Linear)
-
-
-def test_a_long_step_sends_short_sequences_to_the_kernel_and_long_chunks_dense():
-    spans = [SeqSpan(0, 3, 10, []), SeqSpan(3, 70, 70, []), SeqSpan(73, 1, 5, [])]
-    with step_rows(spans, 74, CPU):
-        split = linear_mod._row_split
-        assert split.kernel.tolist() == [0, 1, 2, 73] and split.dense.tolist() == list(range(3, 73))
-    assert linear_mod._row_split is None  # the step's split ends with it
-    with step_rows(spans[:1], 3, CPU):  # a short step needs no split
-        assert linear_mod._row_split is None
 
 
 def test_a_part_of_a_dense_matrix_is_written_where_its_rows_live():

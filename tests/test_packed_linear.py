@@ -167,29 +167,16 @@ def test_the_blocks_decode_straight_to_half_precision_as_the_exact_matrix_rounde
     assert half.dtype == dtype and torch.equal(half, w.dequantize().to(dtype))
 
 
-def test_past_the_kernels_rows_the_dense_path_computes_the_same_matrix():
-    w = gguf_like("Q4_1", 80, 128, seed=10)
-    layer = PackedLinear(w, CPU, kernel_max_rows=4)
-    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(11)).bfloat16()
-    ref = x.double() @ w.dequantize().double().t()
-    y = layer(x)  # 6 > 4 rows: decoded, rounded once to bf16, a bf16 matmul
-    scale = x.double().abs() @ w.dequantize().double().abs().t()
-    assert ((y.double() - ref).abs() <= 4 * 2.0**-8 * scale + 1e-6).all()
-
-
-def test_in_a_long_step_decode_rows_stay_on_the_kernel():
-    from verispec.models.attention import SeqSpan
-    from verispec.models.linear import step_rows
-
-    layer = PackedLinear(gguf_like("Q4_1", 64, 128, seed=13), CPU)
-    x = torch.randn(100, 128, generator=torch.Generator().manual_seed(14)).bfloat16()
-    spans = [SeqSpan(0, 6, 40, []), SeqSpan(6, 90, 90, []), SeqSpan(96, 4, 10, [])]  # verify, chunk, verify
-    with step_rows(spans, 100, CPU):
-        y = layer(x)
-    short = torch.cat([torch.arange(6), torch.arange(96, 100)])
-    assert torch.equal(y[short].view(torch.int16), run(layer, x[short]).view(torch.int16))
-    assert torch.equal(y[6:96], layer._dense(x[6:96]))
-    assert torch.equal(layer(x), layer._dense(x))  # outside a step: a plain long batch is dense
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_long_call_gives_every_row_the_bits_it_has_alone(kind):
+    """Prefill chunks of any length run on the kernel, in panels of rows: a row's bits are the
+    same alone, in a short batch or in a call of 300 rows (three panels), so the fast tier is
+    batch-invariant."""
+    layer = PackedLinear(gguf_like(kind, 40, 128, seed=13), CPU)
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(14)).bfloat16()
+    long = run(layer, x)
+    for rows in ([0], [127, 128, 129], list(range(250, 300)), [5, 299]):
+        assert torch.equal(run(layer, x[rows]).view(torch.int16), long[rows].view(torch.int16)), rows
 
 
 def test_the_lm_head_returns_fp32_logits():

@@ -19,10 +19,7 @@ packing is private and differs by CPU capability), and runs as a dense matmul.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -249,50 +246,19 @@ def _blocked(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
 
 
-@dataclass(frozen=True, slots=True)
-class RowSplit:
-    """A long step's rows by path: `kernel` (rows of sequences with at most KERNEL_MAX_ROWS rows in
-    the step: decode, verify, short chunks) and `dense` (long prefill chunks' rows), or None."""
-
-    num_rows: int
-    kernel: torch.Tensor
-    dense: torch.Tensor | None
-
-
-_row_split: RowSplit | None = None
-
-
-@contextlib.contextmanager
-def step_rows(spans, num_rows: int, device: torch.device):
-    """For the forward of one step (`spans`: the attention metadata's SeqSpans): in a step past
-    KERNEL_MAX_ROWS rows, decode and verify rows still run on the packed kernel, so that a row's
-    numbers do not depend on how long the step around it is (a verify step of 32 requests, or a
-    decode row beside a prefill chunk); only long chunks' rows take the dense path."""
-    global _row_split
-    outer = _row_split
-    if num_rows > KERNEL_MAX_ROWS:
-        short = [r for s in spans if s.num_query <= KERNEL_MAX_ROWS for r in range(s.start, s.start + s.num_query)]
-        long = [r for s in spans if s.num_query > KERNEL_MAX_ROWS for r in range(s.start, s.start + s.num_query)]
-        _row_split = RowSplit(num_rows, torch.tensor(short, dtype=torch.long, device=device),
-                              torch.tensor(long, dtype=torch.long, device=device) if long else None) if short else None
-    try:
-        yield
-    finally:
-        _row_split = outer
-
-
 class PackedLinear(nn.Module):
     """A GGUF-format matrix (Q4_0, Q4_1 or Q8_0, groups of 32, fp16 scales) on verispec's packed
     kernel (`csrc/packed_linear.cpp`): the file's blocks, 4-bit codes two per byte, read once per
     call for all its rows; activations quantized per group of 32 (int8, with an int8 residual in
-    outlier groups, for 4-bit codes; int16 for 8-bit ones), exact int32 dot products. The fast tier's kernel for decode, verify and short chunks on a CPU; a row's result
-    does not depend on the rows beside it, nor on the instruction set. In a step past
-    `kernel_max_rows` rows, long prefill chunks' rows take a dense matmul on the matrix decoded
-    (exactly, then rounded once), while decode and verify rows stay on the kernel (`step_rows`).
+    outlier groups, for 4-bit codes; int16 for 8-bit ones), exact int32 dot products. The fast
+    tier's kernel for every row on a CPU, decode, verify and prefill chunks of any length: a row's
+    result does not depend on the rows beside it nor on the instruction set, so the tier is
+    batch-invariant (docs/rl.md). Long calls go in panels of rows whose activations stay in L2,
+    which keeps long prefill chunks about as fast as a dense bf16 matmul (docs/design.md).
     `float_output` (the lm_head) returns fp32 logits whatever the activations' dtype."""
 
     def __init__(self, weight: QuantizedWeight, device: torch.device, bias: torch.Tensor | None = None,
-                 kernel_max_rows: int = KERNEL_MAX_ROWS, float_output: bool = False):
+                 float_output: bool = False):
         super().__init__()
         self.format = packed_format(weight)
         assert self.format is not None, "make_linear checks packed_format first"
@@ -303,34 +269,12 @@ class PackedLinear(nn.Module):
         offsets = _blocked(weight.offset.half()).to(device) if self.format == PACKED_FORMATS["Q4_1"] else None
         self.register_buffer("offsets", offsets, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
-        # The head takes any number of rows on the kernel: its rows are whatever the step samples
-        # or scores (32 requests' verify rows are 224), and one path keeps each row's logits
-        # independent of the others.
-        self.kernel_max_rows = sys.maxsize if float_output else kernel_max_rows
         self.float_output = float_output
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_output:
             x = x.float()
-        # A compiled stack only takes kernel-sized batches (models/compile.py) and must not branch.
-        if torch.compiler.is_compiling() or x.shape[0] <= self.kernel_max_rows:
-            return self._kernel(x)
-        split = _row_split
-        if split is None or split.num_rows != x.shape[0]:
-            return self._dense(x)
-        if split.dense is None:
-            return self._kernel(x)
-        y = x.new_empty((x.shape[0], self.n))
-        y.index_copy_(0, split.kernel, self._kernel(x.index_select(0, split.kernel)))
-        return y.index_copy_(0, split.dense, self._dense(x.index_select(0, split.dense)))
-
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.verispec_cpu.packed_linear(x, self.codes, self.scales, self.offsets, self.format, self.n)
-
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = dense_matmul_dtype(x)
-        w = torch.ops.verispec_cpu.packed_dequantize(self.codes, self.scales, self.offsets, self.format, self.n, dtype)
-        return F.linear(x.to(dtype), w.to(dtype)).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x)
@@ -379,8 +323,7 @@ def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Te
     if isinstance(weight, QuantizedWeight):
         if packed_wanted(weight, dtype, device):
             bias = None if bias is None else bias.to(dtype)
-            quant_options.pop("dense", None)  # the packed head takes any number of rows: no table needed
-            return PackedLinear(weight, device, bias, float_output=head, **quant_options)
+            return PackedLinear(weight, device, bias, float_output=head)  # any number of rows: no dense table
         wants_decoded = (head and weight.bits == 8) or dtype == torch.float32
         if wants_decoded and bias is None and decoded_wanted(weight, device):
             return DecodedLinear(weight, device)

@@ -15,7 +15,7 @@ from torch import nn
 from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
-from verispec.models.linear import make_linear, step_rows
+from verispec.models.linear import make_linear
 from verispec.models.quant import QuantizedWeight, concat_rows
 
 
@@ -177,8 +177,7 @@ class LlamaModel(nn.Module):
             cos, sin = self.rope(positions)
             if num_layers is None and self.compiled is not None and self.compiled.takes(input_ids):
                 return self.compiled(input_ids, cos, sin)
-            with step_rows(meta.spans, input_ids.shape[0], input_ids.device):
-                return self.stack(input_ids, cos, sin, num_layers)
+            return self.stack(input_ids, cos, sin, num_layers)
 
     def stack(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               num_layers: int | None = None) -> torch.Tensor:

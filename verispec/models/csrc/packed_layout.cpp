@@ -1,6 +1,6 @@
 // The packed matmul's weights: the file's codes put into the layout of packed_layout.h
-// (`packed_codes`), and the dense matrix they stand for (`packed_dequantize`, the dense path of
-// steps past the kernel's rows).
+// (`packed_codes`), and the dense matrix they stand for (`packed_dequantize`: the reference the
+// tests check the layout against, exactly or rounded once to half precision).
 #include "packed_layout.h"
 
 #include <ATen/ATen.h>

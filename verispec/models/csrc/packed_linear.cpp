@@ -44,6 +44,9 @@ namespace {
 
 constexpr int kMaxRows = 8;     // rows per register tile
 constexpr int64_t kPrefetchGroups = 16;  // how far ahead the weights are prefetched
+// Rows per panel of a long call: every column block passes over one panel's activations (128 rows
+// of K int8 values, under 200 KB) while they are in L2, rather than over all M rows from L3.
+constexpr int64_t kPanelRows = 128;
 
 struct Packed {
   const uint8_t* codes;  // [blocks, groups, bytes]
@@ -345,12 +348,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
     scalar_t* yp = y.data_ptr<scalar_t>();
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
       alignas(64) float tile[kMaxRows * kCols];
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t cols = std::min(kCols, n - b * kCols);
-        for (int64_t r0 = 0; r0 < m; r0 += table.rows) {
-          const int64_t rows = std::min<int64_t>(table.rows, m - r0);
-          fns[rows - 1](w, b, act, r0, tile);
-          store_tile(tile, rows, cols, yp + r0 * n + b * kCols, n);
+      for (int64_t p0 = 0; p0 < m; p0 += kPanelRows) {
+        const int64_t p1 = std::min(m, p0 + kPanelRows);
+        for (int64_t b = begin; b < end; ++b) {
+          const int64_t cols = std::min(kCols, n - b * kCols);
+          for (int64_t r0 = p0; r0 < p1; r0 += table.rows) {
+            const int64_t rows = std::min<int64_t>(table.rows, p1 - r0);
+            fns[rows - 1](w, b, act, r0, tile);
+            store_tile(tile, rows, cols, yp + r0 * n + b * kCols, n);
+          }
         }
       }
     });
