@@ -382,23 +382,27 @@ def test_rms_norm_takes_any_leading_shape_and_strides_and_refuses_mismatches(cpu
 
 
 @pytest.mark.usefixtures("cpu_kernels_loaded")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [96, 100])  # 100: the last block of 16 columns is padded
-def test_dense_linear_kernel_matches_float64_and_rows_do_not_interact(n):
-    """The exact tier's fp32 matmul: within fp32's bound of the float64 product, and each row's
-    bits the same whatever rows share the call, in any order (batch invariance)."""
+def test_dense_linear_kernel_matches_float64_and_rows_do_not_interact(n, dtype):
+    """The dense matmul (fp32: the exact tier; bf16 / fp16 weights and activations: a dense
+    half-precision model): within fp32's bound of the float64 product of the same values, plus
+    one rounding of the output to the dtype, and each row's bits the same whatever rows share the
+    call, in any order (batch invariance), a call of 150 rows (three panels) included."""
     from verispec.models.linear import DenseLinear
 
     k = 160
     g = torch.Generator().manual_seed(n)
-    w, bias = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    w, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
     dense = DenseLinear(w, bias)
-    for rows in (1, 5, 17):  # 17: two full tiles of 8 rows and one more
-        x = torch.randn(rows, k, generator=g)
+    unit = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps / 2  # the output's one rounding
+    for rows in (1, 5, 17, 150):  # 17: two full tiles of 8 rows and one more
+        x = torch.randn(rows, k, generator=g).to(dtype)
         y = dense(x)
-        assert y.dtype == torch.float32 and y.shape == (rows, n)
+        assert y.dtype == dtype and y.shape == (rows, n)
         exact = x.double() @ w.double().t() + bias.double()
         bound = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().t() + bias.double().abs())
-        assert ((y.double() - exact).abs() <= bound).all()
+        assert ((y.double() - exact).abs() <= bound * (1 + unit) + unit * exact.abs()).all()
         alone = torch.cat([dense(x[i : i + 1]) for i in range(rows)])
         assert torch.equal(y, alone) and torch.equal(dense(x.flip(0)), alone.flip(0))
     assert torch.equal(dense.matrix(), w)

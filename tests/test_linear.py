@@ -68,16 +68,17 @@ def test_packed_format_follows_gguf_block_rules():
 def test_make_linear_picks_the_layer_for_the_weight():
     from verispec.models.linear import DenseLinear
 
-    # Dense fp32: verispec's row-invariant kernel where it is loaded, else torch's matmul.
-    dense = make_linear(weight(8, 16), torch.float32, CPU)
-    assert isinstance(dense, DenseLinear if cpu_kernels.cpu_kernels_available() else Linear)
-    assert isinstance(make_linear(weight(8, 16), torch.bfloat16, CPU), Linear)
+    # Dense fp32, bf16 and fp16: verispec's row-invariant kernel where it is loaded, else torch's matmul.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        dense = make_linear(weight(8, 16), dtype, CPU)
+        assert isinstance(dense, DenseLinear if cpu_kernels.cpu_kernels_available() else Linear)
+        assert dense.matrix().dtype == dtype
     q = quantize_rtn(weight(), 4)
     fp32 = make_linear(q, torch.float32, CPU)
     # The exact tier: decoded codes on verispec's kernel, or the same values dense without it.
     assert isinstance(fp32, DecodedLinear if cpu_kernels.cpu_kernels_available() else Linear)
     odd = quantize_rtn(weight(8, 96), 4, group_size=96)  # no int4 kernel takes groups of 96
-    assert isinstance(make_linear(odd, torch.bfloat16, CPU), Linear)
+    assert isinstance(make_linear(odd, torch.bfloat16, CPU), DenseLinear if cpu_kernels.cpu_kernels_available() else Linear)
 
 
 def test_a_part_of_a_dense_matrix_is_written_where_its_rows_live():

@@ -208,18 +208,19 @@ class DecodedLinear(nn.Module):
 
 
 class DenseLinear(nn.Module):
-    """The exact tier's fp32 matrix on verispec's kernel (`csrc/quant_linear.cpp`): one order of sums
-    whatever the row count, so a row's bits never depend on its neighbours (BLAS's do)."""
+    """A dense matrix (fp32: the exact tier; bf16 / fp16: a dense half-precision model) on
+    verispec's kernel (`csrc/quant_linear.cpp`): fp32 sums in one order whatever the row count, so a
+    row's bits never depend on its neighbours (BLAS's do); a half-precision output rounds once."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.n, self.k = weight.shape
-        self.register_buffer("blocked", _blocked(weight.float()), persistent=False)  # [N/16, K, 16]
-        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.register_buffer("blocked", _blocked(weight), persistent=False)  # [N/16, K, 16], the weight's dtype
+        self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.verispec_cpu.dense_linear.default(x, self.blocked, self.n)
-        return y if self.bias is None else y + self.bias
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # casts are no-ops in fp32
+        y = torch.ops.verispec_cpu.dense_linear.default(x.float(), self.blocked, self.n)
+        return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return residual + self(x)
@@ -236,8 +237,9 @@ class DenseLinear(nn.Module):
         return self.blocked[start // 16 : -(-(start + size) // 16)], view
 
 
-def dense_kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:  # fp32 on a CPU with the kernels
-    return dtype == torch.float32 and torch.device(device).type == "cpu" and cpu_kernels_available()
+def dense_kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:  # dense on a CPU with the kernels
+    return dtype in (torch.float32, torch.bfloat16, torch.float16) and torch.device(device).type == "cpu" \
+        and cpu_kernels_available()
 
 
 def _blocked(t: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@
 // rows share the call, and differs from a dense fp32 matmul on the decoded weights only in the
 // order of its sums.
 //
-// `dense_linear` runs the same tile on dense fp32 weights [N/16, K, 16] (the exact tier's
-// matrices): a BLAS matmul picks its kernel by the row count, so a row's rounding would depend on
-// the rows beside it; here it never does (batch invariance).
+// `dense_linear` runs the same tile on dense weights [N/16, K, 16]: fp32 (the exact tier's
+// matrices), or bf16 / fp16 (a dense half-precision model) widened exactly to fp32 as they are
+// loaded, with fp32 activations and sums. A BLAS matmul picks its kernel by the row count, so a
+// row's rounding would depend on the rows beside it; here it never does (batch invariance).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -90,9 +91,40 @@ constexpr int64_t kDenseRows = 4;
 // and the order is still the same for every row whatever the rows beside it.
 constexpr int64_t kChunk = 64;
 
-// y[r, block] for R rows of fp32 x and a block of dense fp32 weights [K][16].
-template <int R>
-void dense_tile(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy) {
+// Rows per panel of a long call: every block passes over one panel's fp32 activations (64 rows of
+// K = 1536 is 384 KB) while they are in L2, rather than over all M rows from L3.
+constexpr int64_t kDensePanelRows = 64;
+
+// Vec::size() dense weights as fp32: as stored, or a half-precision value widened exactly.
+inline Vec load_dense(const float* p) { return Vec::loadu(p); }
+inline Vec load_dense(const at::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+#else
+  float w[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) w[i] = static_cast<float>(p[i]);
+  return Vec::loadu(w);
+#endif
+}
+inline Vec load_dense(const at::Half* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  float w[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) w[i] = static_cast<float>(p[i]);
+  return Vec::loadu(w);
+#endif
+}
+
+// y[r, block] for R rows of fp32 x and a block of dense weights [K][16].
+template <int R, typename W>
+void dense_tile(const float* x, int64_t ldx, const W* w, int64_t k, float* y, int64_t ldy) {
   for (int l = 0; l < kLanes; ++l) {
     Vec acc[R];
 #pragma GCC unroll 16
@@ -102,7 +134,7 @@ void dense_tile(const float* x, int64_t ldx, const float* w, int64_t k, float* y
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) run[r] = Vec(0.f);
       for (int64_t i = c; i < std::min(k, c + kChunk); ++i) {
-        const Vec wv = Vec::loadu(w + i * kCols + l * Vec::size());
+        const Vec wv = load_dense(w + i * kCols + l * Vec::size());
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) run[r] = at::vec::fmadd(Vec(x[r * ldx + i]), wv, run[r]);
       }
@@ -114,10 +146,11 @@ void dense_tile(const float* x, int64_t ldx, const float* w, int64_t k, float* y
   }
 }
 
-using DenseTileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-template <int... R>
-constexpr std::array<DenseTileFn, sizeof...(R)> dense_tiles(std::integer_sequence<int, R...>) {
-  return {&dense_tile<R + 1>...};
+template <typename W>
+using DenseTileFn = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t);
+template <typename W, int... R>
+constexpr std::array<DenseTileFn<W>, sizeof...(R)> dense_tiles(std::integer_sequence<int, R...>) {
+  return {&dense_tile<R + 1, W>...};
 }
 
 template <typename C>
@@ -174,28 +207,41 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return matmul<uint8_t>(x, codes, scales, offsets, n);
 }
 
+template <typename W>
+void dense_matmul(const float* xp, const W* wp, float* yp, int64_t m, int64_t k, int64_t blocks) {
+  static constexpr auto kTiles = dense_tiles<W>(std::make_integer_sequence<int, kDenseRows>{});
+  const int64_t ldy = blocks * kCols;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t p0 = 0; p0 < m; p0 += kDensePanelRows) {
+      const int64_t p1 = std::min(m, p0 + kDensePanelRows);
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t r0 = p0; r0 < p1; r0 += kDenseRows)
+          kTiles[std::min(kDenseRows, p1 - r0) - 1](xp + r0 * k, k, wp + b * k * kCols, k, yp + r0 * ldy + b * kCols,
+                                                    ldy);
+    }
+  });
+}
+
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weights, int64_t n) {
-  static constexpr auto kTiles = dense_tiles(std::make_integer_sequence<int, kDenseRows>{});
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "dense_linear: x [M, K] float32");
-  TORCH_CHECK(weights.dim() == 3 && weights.size(2) == kCols && weights.scalar_type() == at::kFloat &&
-                  weights.is_contiguous(),
-              "dense_linear: weights [N/16, K, 16] float32, contiguous");
+  const auto wtype = weights.scalar_type();
+  TORCH_CHECK(weights.dim() == 3 && weights.size(2) == kCols && weights.is_contiguous() &&
+                  (wtype == at::kFloat || wtype == at::kBFloat16 || wtype == at::kHalf),
+              "dense_linear: weights [N/16, K, 16] float32, bfloat16 or float16, contiguous");
   const int64_t m = x.size(0), k = x.size(1), blocks = weights.size(0);
   TORCH_CHECK(weights.size(1) == k, "dense_linear: x has ", k, " columns, the weights ", weights.size(1));
   TORCH_CHECK(n > blocks * kCols - kCols && n <= blocks * kCols, "dense_linear: n does not match the weights");
   const at::Tensor xf = x.contiguous();
   at::Tensor y = at::empty({m, blocks * kCols}, x.options());
   const float* xp = xf.data_ptr<float>();
-  const float* wp = weights.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldy = blocks * kCols;
-  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t r0 = 0; r0 < m; r0 += kDenseRows)
-        kTiles[std::min(kDenseRows, m - r0) - 1](xp + r0 * k, k, wp + b * k * kCols, k, yp + r0 * ldy + b * kCols,
-                                                 ldy);
-  });
-  return n == ldy ? y : y.narrow(1, 0, n).contiguous();
+  if (wtype == at::kFloat)
+    dense_matmul(xp, weights.data_ptr<float>(), yp, m, k, blocks);
+  else if (wtype == at::kBFloat16)
+    dense_matmul(xp, weights.data_ptr<at::BFloat16>(), yp, m, k, blocks);
+  else
+    dense_matmul(xp, weights.data_ptr<at::Half>(), yp, m, k, blocks);
+  return n == blocks * kCols ? y : y.narrow(1, 0, n).contiguous();
 }
 
 }  // namespace
