@@ -88,9 +88,9 @@ def test_inverse_control_rows_without_the_completion_as_history_differ(exact, mo
     give other processed logprobs: the check above can fail."""
     from dataclasses import replace
 
-    history_aware = RowSpec.for_scored_row
-    monkeypatch.setattr(RowSpec, "for_scored_row", classmethod(
-        lambda cls, req, position: replace(history_aware(req, position), position_independent=True)))
+    history_aware = RowSpec.for_scored_rows
+    monkeypatch.setattr(RowSpec, "for_scored_rows", classmethod(
+        lambda cls, req, lo, hi: [replace(row, position_independent=True) for row in history_aware(req, lo, hi)]))
     outs, scores = rollout_and_score(exact, SamplingParams(**ROLLOUT, **CASES["processed_history"]), seed=2)
     assert unequal_rows(outs, scores) > 0
 

@@ -122,7 +122,7 @@ class ModelRunner:
         for job in batch.prompt_jobs:
             req, lo, hi = job.request, job.lo, job.hi
             if req.scored is not None:  # LLM.score: each row as the rollout's decode row
-                spec = [RowSpec.for_scored_row(req, position) for position in range(lo, hi)]
+                spec = RowSpec.for_scored_rows(req, lo, hi)
             else:
                 spec = replace(RowSpec.for_request(req), noise=None, position_independent=True,
                                num_logprobs=req.params.prompt_logprobs)

@@ -62,14 +62,15 @@ class RowSpec:
         )
 
     @classmethod
-    def for_scored_row(cls, req: "Request", position: int) -> "RowSpec":
-        """The row at `position` of a scored completion (`LLM.score`), as the rollout's decode
-        row was: the rollout's parameters, the completion up to `position` as output."""
+    def for_scored_rows(cls, req: "Request", lo: int, hi: int) -> list["RowSpec"]:
+        """The rows at positions [lo, hi) of a scored completion (`LLM.score`), as the rollout's
+        decode rows were: the rollout's parameters, the completion up to each row as output."""
         scored = req.scored
-        return cls(params=scored.params, prompt_ids=req.prompt_token_ids[: scored.start],
-                   output_ids=req.prompt_token_ids[scored.start : position + 1], noise=None, stop_ids=req.stop_ids,
-                   mode=req.logprobs_mode, num_logprobs=req.params.prompt_logprobs,
-                   bad_words_token_ids=req.bad_words_token_ids)
+        prompt = req.prompt_token_ids[: scored.start]  # one list, shared by every row
+        return [cls(params=scored.params, prompt_ids=prompt, output_ids=req.prompt_token_ids[scored.start : p + 1],
+                    noise=None, stop_ids=req.stop_ids, mode=req.logprobs_mode,
+                    num_logprobs=req.params.prompt_logprobs, bad_words_token_ids=req.bad_words_token_ids)
+                for p in range(lo, hi)]
 
     def host_output_ids(self) -> list[int]:
         """output_ids without the device tail: the values the host knows."""
