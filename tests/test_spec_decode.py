@@ -124,7 +124,8 @@ def other_draft(tmp_path_factory, small_vocab_model):
                                 initializer_range=0.3, num_hidden_layers=1)
 
 
-@pytest.mark.parametrize("spec", ["ngram", "layer_skip", "draft_model"], ids=["ngram_one_hot_q", "layer_skip_q", "draft_model_q"])
+@pytest.mark.parametrize("spec", ["ngram", "layer_skip", "draft_model", "suffix"],
+                         ids=["ngram_one_hot_q", "layer_skip_q", "draft_model_q", "suffix_q"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
     SamplingParams(temperature=0.9, top_k=6, top_p=0.9, max_tokens=2, ignore_eos=True),
@@ -135,6 +136,9 @@ def test_speculative_distribution_matches_target(small_vocab_model, other_draft,
         "ngram": NGRAM3,
         "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 2},
         "draft_model": {"method": "draft_model", "model": other_draft, "num_speculative_tokens": 2},
+        # Each wave of 256 requests drafts its second token from the earlier waves' (and, through
+        # the prompt, its own): q is the empirical distribution of what followed.
+        "suffix": {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.0},
     }[spec]
     n = 3000
     exact = exact_two_token_distribution(model, PROMPT16, params)

@@ -88,7 +88,7 @@ def test_greedy_draft_is_the_best_scoring_match_followed_by_its_most_frequent_pa
     seqs = dict(enumerate(sequences))
     for i, s in seqs.items():
         tree.extend(i, s)
-    draft = tree.speculate(context, 8, factor, 0.0, min_prob, [])
+    draft = tree.speculate(context, 8, factor, 0.0, min_prob)
     best = ([], 0.0, 0)
     for m in range(1, min(len(context), depth) + 1):
         suffix = context[-m:]
@@ -107,16 +107,36 @@ def test_greedy_draft_is_the_best_scoring_match_followed_by_its_most_frequent_pa
         assert probs == sorted(probs, reverse=True)
 
 
+def base_for(u_low: float, u_high: float, position: int = 0) -> int:
+    """A noise base whose draw at `position` falls in [u_low, u_high)."""
+    module = suffix_tree_module()
+    return next(b for b in range(100000) if u_low <= module.uniform(b, position) < u_high)
+
+
 def test_draws_follow_the_branch_distribution():
-    """A branch seen 3 : 1 is drawn 3 : 1 by uniforms, and q says so."""
+    """A branch seen 3 : 1 is drawn 3 : 1, and q says so."""
     tree = SuffixTree(8)
     for i, t in enumerate([7, 7, 7, 9]):
         tree.extend(i, [1, 2, t])
-    picks = [tree.speculate([1, 2], 1, 1.0, 0.0, 0.0, [u]).tokens[0] for u in (0.1, 0.5, 0.74, 0.76, 0.99)]
-    assert picks == [7, 7, 7, 9, 9]
-    draft = tree.speculate([1, 2], 1, 1.0, 0.0, 0.0, [0.9])
+    picks = [tree.speculate([1, 2], 1, 1.0, 0.0, 0.0, base_for(lo, hi, 40), 40).tokens[0]
+             for lo, hi in ((0.0, 0.2), (0.5, 0.74), (0.76, 0.8), (0.9, 1.0))]
+    assert picks == [7, 7, 9, 9]
+    draft = tree.speculate([1, 2], 1, 1.0, 0.0, 0.0, base_for(0.9, 1.0), 0)
     assert draft.q_ids == [[7, 9]] and draft.q_probs == [[0.75, 0.25]]
-    assert draft.score == 0.75  # chosen by the greedy path's score, whatever the draw
+    assert draft.score == 0.75 and draft.confidence == [0.75]  # the greedy path's, whatever the draw
+    counts = {7: 0, 9: 0}
+    for base in range(4000):
+        counts[tree.speculate([1, 2], 1, 1.0, 0.0, 0.0, base, 3).tokens[0]] += 1
+    assert abs(counts[7] / 4000 - 0.75) < 4 * (0.75 * 0.25 / 4000) ** 0.5
+
+
+def test_uniform_is_the_request_draft_noise():
+    """The extension draws with RequestNoise's own `draft` keys (sample/noise.py)."""
+    from verispec.sample.noise import RequestNoise
+    noise, module = RequestNoise(1234), suffix_tree_module()
+    for position in (0, 1, 77, 10**6):
+        expected = (noise.key("draft", position) + 0.5) / float(1 << 63)
+        assert module.uniform(noise.bases["draft"], position) == expected
 
 
 def test_a_branch_keeps_its_32_most_frequent_children():
@@ -125,7 +145,7 @@ def test_a_branch_keeps_its_32_most_frequent_children():
         tree.extend(t, [5, t])
         if t % 3 == 0:
             tree.extend(100 + t, [5, t])
-    draft = tree.speculate([5], 1, 1.0, 0.0, 0.0, [0.999])
+    draft = tree.speculate([5], 1, 1.0, 0.0, 0.0, base_for(0.99, 1.0), 0)
     assert len(draft.q_ids[0]) == 32 and abs(sum(draft.q_probs[0]) - 1) < 1e-12
     assert draft.q_ids[0][:3] == [0, 3, 6]  # the twice-seen ones first, then by token id
 

@@ -81,7 +81,8 @@ def parse_device(device: "str | torch.device") -> torch.device:
     return dev
 
 
-SPEC_METHODS = ("ngram", "draft_model", "layer_skip")
+SPEC_METHODS = ("ngram", "draft_model", "layer_skip", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
 
 
 @dataclass(slots=True)
@@ -89,7 +90,8 @@ class SpeculativeConfig:
     """`LLM(speculative_config={...})`, or this dataclass directly."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 3
+    # None: 3, or suffix_decoding_max_tree_depth for suffix decoding (vLLM's defaults).
+    num_speculative_tokens: int | None = None
     # ngram: match lengths tried, longest first. One-token matches propose often and wrongly, and
     # every rejected draft row costs a verify row; 2..4 measured best here (docs/benchmarks.md).
     prompt_lookup_min: int = 2
@@ -104,6 +106,21 @@ class SpeculativeConfig:
     # Verification processes at most this many rows at a time (logits, processors, scores): it
     # bounds the step's [rows, vocab] temporaries. None: all rows at once.
     max_verify_rows_per_chunk: int | None = None
+    # suffix (spec_decode/suffix.py), vLLM's names and defaults: how deep the trees hold each
+    # suffix (the longest match, and the longest draft); finished requests whose outputs stay
+    # in the global tree (0: no global tree); a draft's length at most this times its match
+    # length; a branch followed only while the path's probability stays at least this.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # The global tree's memory bound: cached finished tokens (docs/speculative.md has the bytes
+    # per token); the oldest requests leave first. Not in vLLM, whose bound is requests alone.
+    suffix_decoding_max_cached_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = self.suffix_decoding_max_tree_depth if self.method == "suffix" else 3
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -124,9 +141,12 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}; got {self.method!r}")
+        if self.method == "suffix":
+            self._validate_suffix()
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 15:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, 15]; got {k!r}")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]; got {k!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "speculative_config.prompt_lookup_min and prompt_lookup_max must satisfy "
@@ -153,6 +173,22 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.model is required for method 'draft_model'")
         if self.method == "layer_skip" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError("speculative_config.num_layers must be an integer >= 1 for method 'layer_skip'")
+
+    def _validate_suffix(self) -> None:
+        def whole(name: str, low: int, high: int | None = None) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
+                bound = f"in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+                raise ValueError(f"speculative_config.{name} must be {bound}; got {v!r}")
+
+        whole("suffix_decoding_max_tree_depth", 1, 64)
+        whole("suffix_decoding_max_cached_requests", 0)
+        whole("suffix_decoding_max_cached_tokens", 0)
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"speculative_config.suffix_decoding_max_spec_factor must be > 0; got {factor!r}")
+        if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1]; got {prob!r}")
 
 
 # Defaults shared by EngineConfig, LLM's keyword arguments and the command line.

@@ -68,6 +68,10 @@ class Request:
     # Drafts proposed for the next step (verified, never trusted): values, or PLACEHOLDERs
     # (spec_decode/metadata.py) that a model drafter fills inside the step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # A host drafter's extras (suffix decoding): per draft, q as (token ids, probabilities) for a
+    # random request's q rule, and the confidence adaptive verification ranks the slot by.
+    draft_q: "list[tuple[list[int], list[float]]] | None" = None
+    draft_confidence: list[float] | None = None
     spec_history: "RequestHistory | None" = None  # adaptive verification's estimates
     # Prefix caching (engine/prefix_cache.py): the chain of full-block hashes of token_ids, how
     # many leading blocks of the table are cached, and scored prompt rows whose block is not yet
@@ -112,3 +116,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_q = self.draft_confidence = None

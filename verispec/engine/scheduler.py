@@ -162,7 +162,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.request_id)  # its cached blocks stay cached: it may hit them again
-        req.draft_token_ids = []
+        req.clear_drafts()
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -184,10 +184,12 @@ class Scheduler:
                 verified, accepted = record.num_verified, record.num_accepted
                 self.spec_metrics.observe(verified, accepted)
                 if self.adaptive is not None:
-                    self.adaptive.observe(req, verified, accepted, record.draft_confidence)
+                    # q peaks: a model drafter's come back with the step; a host drafter's are known.
+                    peaks = record.draft_confidence if record.draft_confidence is not None else req.draft_confidence
+                    self.adaptive.observe(req, verified, accepted, peaks)
                 req.num_computed_tokens += accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
-            req.draft_token_ids = []
+            req.clear_drafts()
             # After the tokens: accepted drafts are computed, and now in token_ids too.
             self.prefix_cache.cache_computed(req)
             if record is not None and record.prompt_logprobs is not None:

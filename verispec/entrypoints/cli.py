@@ -29,7 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     # Shorthands for speculative_config.
     p.add_argument("--speculative-method", default=None, choices=SPEC_METHODS,
                    help="speculative decoding drafter (default: off)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="draft tokens per step (k)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per step (k; default 3, or the tree depth, 24, for suffix)")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative-method draft_model")
     p.add_argument("--draft-layers", type=int, default=None, help="target layers used by layer_skip")
 

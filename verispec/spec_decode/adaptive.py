@@ -13,7 +13,10 @@ chance that drafts 1..j are all accepted; c is the slot's confidence:
   it is bucketed and each bucket holds the engine's running acceptance rate for drafts with such
   a peak; the table goes to the device each step and the lookup happens there;
 - ngram: a per-request exponential moving average of past accept/reject outcomes at position j,
-  a host value.
+  a host value;
+- suffix: the calibrated chance that the text continues with the branch's most frequent token
+  (the tree's counts; 1 inside a run), a host value that, like q's peak, depends only on the
+  drafts before the slot.
 
 A step that verifies B drafts for R sampling requests emits R + (expected accepted drafts) tokens
 and costs about cost(base_tokens + B) where the cost is the target's forward time profiled at
@@ -273,6 +276,9 @@ class AdaptiveController:
             while len(prev) < num_drafts:  # a longer draft than last time: extend by the prior
                 prev.append(prev[-1] * conf[len(prev)])
             return prev
+        if req.draft_confidence is not None:  # a host drafter's q peaks (suffix), calibrated
+            greedy = req.params.greedy
+            return list(np.cumprod([self.calibrated(c, greedy) for c in req.draft_confidence[:num_drafts]]))
         return list(np.cumprod(history.confidence[:num_drafts]))
 
     # ------------------------------------------------------------------ the plan

@@ -10,15 +10,18 @@ from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 from verispec.spec_decode.draft_model import DraftModelDrafter
 from verispec.spec_decode.drafter import ModelDrafter, NgramDrafter
 from verispec.spec_decode.layer_skip import LayerSkipDrafter
+from verispec.spec_decode.suffix import SuffixDrafter
 
 logger = logging.getLogger("verispec")
 
 
 def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer,
-                 engine_config: EngineConfig) -> NgramDrafter | ModelDrafter:
+                 engine_config: EngineConfig) -> NgramDrafter | SuffixDrafter | ModelDrafter:
     """The drafter of `cfg.method` (validated by SpeculativeConfig: one of SPEC_METHODS)."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
+    if cfg.method == "suffix":
+        return SuffixDrafter(cfg)
     if cfg.method == "layer_skip":
         return LayerSkipDrafter(cfg, target.cfg.num_layers)
     return DraftModelDrafter(cfg, target, target_tokenizer, engine_config)

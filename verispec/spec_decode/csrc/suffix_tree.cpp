@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -54,6 +55,29 @@ struct Draft {
   std::vector<int32_t> tokens;
   std::vector<std::vector<int32_t>> q_ids;
   std::vector<std::vector<double>> q_probs;
+  // Per position, the chance the text continues with the branch's most frequent token (1 inside a
+  // run): a function of the drafts before it only, so adaptive verification may rank by it.
+  std::vector<double> confidence;
+};
+
+// U(0, 1) of a request's `draft` noise at a sequence position: sample/noise.py's RequestNoise.key
+// (splitmix64 of the purpose's base mixed with the position's splitmix64, 63 bits), centred.
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+double uniform(uint64_t base, int64_t position) {
+  const uint64_t key = splitmix64(base ^ splitmix64(static_cast<uint64_t>(position))) >> 1;
+  return (static_cast<double>(key) + 0.5) / 9223372036854775808.0;
+}
+
+// Draws for a random request: its `draft` noise base and the position of its first draft.
+struct Draws {
+  uint64_t base;
+  int64_t first_position;
 };
 
 struct Branch {
@@ -82,12 +106,12 @@ class SuffixTree {
     seqs_.erase(it);
   }
 
-  // The best draft over match lengths 1..min(|context|, depth) (ties: the longer match). `uniforms`
-  // (one per draft position) draws each branching token from its distribution; empty: the most
-  // frequent. The match length is chosen by the most-frequent path's score either way, so it
+  // The best draft over match lengths 1..min(|context|, depth) (ties: the longer match). With a
+  // noise base, each branching token is drawn from its branch's distribution; without, it is the
+  // most frequent. The match length is chosen by the most-frequent path's score either way, so it
   // depends on the context alone, never on the draws.
   Draft speculate(const std::vector<int32_t>& context, int max_tokens, double factor, double offset,
-                  double min_prob, const std::vector<double>& uniforms) const {
+                  double min_prob, std::optional<uint64_t> noise_base, int64_t first_position) const {
     Draft best;
     const Node* best_node = nullptr;
     size_t best_idx = 0;
@@ -104,12 +128,12 @@ class SuffixTree {
         best_idx = idx;
       }
     }
-    if (best_node != nullptr && !uniforms.empty()) {
+    if (best_node != nullptr && noise_base.has_value()) {
       const int limit = std::max(0, std::min(max_tokens, static_cast<int>(best.match_len * factor + offset + 1e-6)));
-      if (uniforms.size() < static_cast<size_t>(limit)) throw std::invalid_argument("one uniform per draft position");
       const double score = best.score;
       const int m = best.match_len;
-      best = walk(best_node, best_idx, limit, min_prob, &uniforms);
+      const Draws draws{*noise_base, first_position};
+      best = walk(best_node, best_idx, limit, min_prob, &draws);
       best.score = score;
       best.match_len = m;
     }
@@ -299,7 +323,7 @@ class SuffixTree {
   // that every token so far continues the text, as the counts have it) times the branch's peak
   // stays >= min_prob. The stop test reads the peak, not the drawn token's probability, so
   // whether position j is drafted depends only on the drafts before it.
-  static Draft walk(const Node* node, size_t idx, int limit, double min_prob, const std::vector<double>* u) {
+  static Draft walk(const Node* node, size_t idx, int limit, double min_prob, const Draws* draws) {
     Draft d;
     double prob = 1.0;
     std::vector<Branch> branches;
@@ -309,6 +333,7 @@ class SuffixTree {
         d.tokens.push_back(tok);
         d.q_ids.push_back({tok});
         d.q_probs.push_back({1.0});
+        d.confidence.push_back(1.0);
         d.score += prob;
         continue;
       }
@@ -326,8 +351,9 @@ class SuffixTree {
       int64_t kept = 0;
       for (const Branch& b : branches) kept += b.count;
       size_t pick = 0;
-      if (u != nullptr) {  // inverse CDF over the kept branches
-        const double target = (*u)[d.tokens.size()] * static_cast<double>(kept);
+      if (draws != nullptr) {  // inverse CDF over the kept branches
+        const double u = uniform(draws->base, draws->first_position + static_cast<int64_t>(d.tokens.size()));
+        const double target = u * static_cast<double>(kept);
         double cum = 0.0;
         for (pick = 0; pick + 1 < keep; ++pick) {
           cum += static_cast<double>(branches[pick].count);
@@ -344,6 +370,7 @@ class SuffixTree {
       d.tokens.push_back(branches[pick].token);
       d.q_ids.push_back(std::move(ids));
       d.q_probs.push_back(std::move(probs));
+      d.confidence.push_back(static_cast<double>(branches[0].count) / total);
       d.score += prob;
       node = branches[pick].node;
       idx = 1;
@@ -361,18 +388,20 @@ class SuffixTree {
 }  // namespace
 
 PYBIND11_MODULE(verispec_suffix, m) {
+  m.def("uniform", &uniform, py::arg("base"), py::arg("position"));
   py::class_<Draft>(m, "Draft")
       .def_readonly("score", &Draft::score)
       .def_readonly("match_len", &Draft::match_len)
       .def_readonly("tokens", &Draft::tokens)
       .def_readonly("q_ids", &Draft::q_ids)
-      .def_readonly("q_probs", &Draft::q_probs);
+      .def_readonly("q_probs", &Draft::q_probs)
+      .def_readonly("confidence", &Draft::confidence);
   py::class_<SuffixTree>(m, "SuffixTree")
       .def(py::init<int>(), py::arg("depth"))
       .def("extend", &SuffixTree::extend, py::arg("seq"), py::arg("tokens"))
       .def("remove", &SuffixTree::remove, py::arg("seq"))
       .def("speculate", &SuffixTree::speculate, py::arg("context"), py::arg("max_tokens"), py::arg("factor"),
-           py::arg("offset"), py::arg("min_prob"), py::arg("uniforms"))
+           py::arg("offset"), py::arg("min_prob"), py::arg("noise_base") = py::none(), py::arg("first_position") = 0)
       .def("count", &SuffixTree::count, py::arg("pattern"))
       .def("memory_bytes", &SuffixTree::memory_bytes)
       .def("check", &SuffixTree::check)

@@ -1,0 +1,170 @@
+"""Suffix decoding (spec_decode/suffix.py): what the drafter proposes and from whose tokens, the
+cache's bounds, and, end to end, greedy output and logprobs equal to plain decoding (the output
+distribution under the q rule: test_spec_decode.py's chi-square)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from test_drafter import decoding
+from test_spec_decode import assert_same_logprobs, repetitive_prompts, run_with_and_without
+from verispec import LLM, SamplingParams
+from verispec.config import SpeculativeConfig
+from verispec.request import RequestStatus
+from verispec.spec_decode.suffix import SuffixCache, SuffixDrafter
+
+
+def suffix_config(**kw) -> SpeculativeConfig:
+    cfg = SpeculativeConfig(method="suffix", **kw)
+    cfg.validate()
+    return cfg
+
+
+def with_params(req, **kw):
+    req.params = replace(req.params, **kw)
+    return req
+
+
+def grow(req, tokens: list[int]) -> None:
+    """The request emitted `tokens`: they are in its sequence, all computed but the newest."""
+    req.token_ids += tokens
+    req.num_computed_tokens = req.num_tokens - 1
+
+
+def test_defaults_are_vllms():
+    cfg = suffix_config()
+    assert (cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
+            cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob) == (24, 24, 10000, 1.0, 0.1)
+    assert SpeculativeConfig(method="ngram").num_speculative_tokens == 3
+
+
+@pytest.mark.parametrize("field, value", [
+    ("suffix_decoding_max_tree_depth", 0), ("suffix_decoding_max_tree_depth", 65),
+    ("suffix_decoding_max_cached_requests", -1), ("suffix_decoding_max_spec_factor", 0.0),
+    ("suffix_decoding_min_token_prob", 1.5), ("suffix_decoding_max_cached_tokens", "many"),
+    ("num_speculative_tokens", 33),
+])
+def test_bad_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.parse({"method": "suffix", field: value})
+
+
+def test_a_request_drafts_from_its_own_prompt_greedily_with_confidences():
+    drafter = SuffixDrafter(suffix_config())
+    req = with_params(decoding("r", [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 4, 5], pending=6), temperature=0.0)
+    drafter.propose([req], max_model_len=100)
+    assert req.draft_token_ids[:4] == [7, 8, 9, 4]
+    assert req.draft_q is None  # greedy: one-hot, the most frequent path
+    assert len(req.draft_confidence) == len(req.draft_token_ids) and all(0 < c <= 1 for c in req.draft_confidence)
+
+
+def test_a_random_request_draws_with_its_noise_and_carries_q():
+    drafter = SuffixDrafter(suffix_config(suffix_decoding_min_token_prob=0.0))
+    prompt = [1, 2, 7, 1, 2, 7, 1, 2, 9, 1]
+    req = with_params(decoding("r", prompt, pending=2), temperature=1.0, seed=5)
+    drafter.propose([req], max_model_len=100)
+    ids, probs = req.draft_q[0]
+    assert sorted(zip(ids, probs)) == [(7, 2 / 3), (9, 1 / 3)]
+    again = with_params(decoding("s", prompt, pending=2), temperature=1.0, seed=5)
+    SuffixDrafter(suffix_config(suffix_decoding_min_token_prob=0.0)).propose([again], max_model_len=100)
+    assert again.draft_token_ids == req.draft_token_ids  # keyed noise: the same draw
+
+
+def test_siblings_draft_from_each_others_tokens_as_soon_as_they_are_emitted():
+    drafter = SuffixDrafter(suffix_config())
+    prompt = [50, 51, 52, 53]
+    first, second = decoding("a#0", prompt, pending=60), decoding("a#1", prompt, pending=60)
+    for req in (first, second):
+        with_params(req, temperature=0.0)
+    drafter.propose([first, second], max_model_len=100)
+    grow(first, [61, 62, 63, 64, 65])
+    drafter.propose([first, second], max_model_len=100)
+    assert second.draft_token_ids[:5] == [61, 62, 63, 64, 65]  # the sibling's output, one step old
+
+
+def test_a_salted_request_never_drafts_another_salts_tokens():
+    drafter = SuffixDrafter(suffix_config())
+    prompt = [50, 51, 52, 53]
+    owner = with_params(decoding("owner", prompt, pending=60), temperature=0.0, cache_salt="tenant-a")
+    same = with_params(decoding("same", prompt, pending=60), temperature=0.0, cache_salt="tenant-a")
+    other = with_params(decoding("other", prompt, pending=60), temperature=0.0, cache_salt="tenant-b")
+    plain = with_params(decoding("plain", prompt, pending=60), temperature=0.0)
+    grow(owner, [61, 62, 63, 64, 65])
+    drafter.propose([owner, same, other, plain], max_model_len=100)
+    assert same.draft_token_ids[:5] == [61, 62, 63, 64, 65]
+    assert other.draft_token_ids == [] and plain.draft_token_ids == []
+    owner.status = RequestStatus.FINISHED_STOPPED  # cached after it finishes: still its salt's only
+    drafter.propose([other, plain], max_model_len=100)
+    assert other.draft_token_ids == [] and plain.draft_token_ids == []
+    assert set(drafter.cache.global_trees) == {"tenant-a", "tenant-b", ""}
+
+
+def test_finished_outputs_stay_cached_and_the_oldest_leave_first():
+    cache = SuffixCache(depth=8, max_cached_requests=2, max_cached_tokens=1000)
+    reqs = [decoding(f"r{i}", [i, 100 + i], pending=200 + i) for i in range(4)]
+    for req in reqs:
+        grow(req, [300 + req.token_ids[-1]] * 3)
+        cache.sync(req)
+        req.status = RequestStatus.FINISHED_STOPPED
+        cache.finish(req.request_id)
+    stats = cache.stats()
+    assert stats.cached_requests == 2 and cache.live == {}
+    tree = cache.global_trees[""]
+    assert tree.count([100, 200]) == 0 and tree.count([103, 203]) == 1  # r0 left, r3 stayed
+    assert stats.cached_tokens == tree.num_tokens == 2 * (2 + 4)  # prompt tail + output each
+
+
+def test_the_token_bound_evicts_too():
+    cache = SuffixCache(depth=4, max_cached_requests=100, max_cached_tokens=20)
+    for i in range(10):
+        req = decoding(f"r{i}", [1, 2, 3], pending=4)
+        grow(req, list(range(10, 15)))
+        cache.sync(req)
+        cache.finish(req.request_id)
+    assert cache.stats().cached_tokens <= 20 and cache.stats().cached_requests == 2
+    assert cache.stats().memory_bytes > 0
+
+
+def test_no_global_tree_when_nothing_is_cached():
+    drafter = SuffixDrafter(suffix_config(suffix_decoding_max_cached_requests=0))
+    a, b = decoding("a", [5, 6], pending=7), decoding("b", [5, 6], pending=7)
+    grow(a, [8, 9, 10])
+    drafter.propose([a, b], max_model_len=100)
+    assert drafter.cache.global_trees == {} and b.draft_token_ids == []
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.mark.parametrize("k", [3, None])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_suffix_greedy_equals_non_speculative(tiny_llama, k, batch):
+    prompts = repetitive_prompts(batch, seed=40 + batch)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    spec = {"method": "suffix", "num_speculative_tokens": k}
+    _, _, stats = run_with_and_without(tiny_llama, prompts, params, spec, max_num_batched_tokens=64, block_size=4)
+    assert stats["num_accepted_tokens"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_suffix_logprobs_and_adaptive_equal_non_speculative(tiny_llama):
+    prompts = repetitive_prompts(4, seed=31)
+    params = [SamplingParams(temperature=0, max_tokens=40, logprobs=3, ignore_eos=True, repetition_penalty=r)
+              for r in (1.0, 1.2, 1.0, 1.0)]
+    for adaptive in (False, True):
+        spec = {"method": "suffix", "adaptive_verification": adaptive, "cost_table": [[1, 0.01], [64, 0.02]]}
+        base, out, stats = run_with_and_without(tiny_llama, prompts, params, spec)
+        assert stats["num_accepted_tokens"] > 0
+        assert_same_logprobs(base, out)
+
+
+def test_n_samples_learn_from_each_other(tiny_llama):
+    """n = 8 random samples of one prompt: the drafter's q comes from the siblings, drafts are
+    accepted, and a seeded run repeats itself."""
+    params = SamplingParams(temperature=0.8, max_tokens=24, n=8, seed=3, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(tiny_llama, speculative_config={"method": "suffix"})
+        runs.append([c.token_ids for c in llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs])
+        assert llm.stats()["num_accepted_tokens"] > 0
+    assert runs[0] == runs[1]
