@@ -41,6 +41,7 @@ from benchmarks.scenarios import (
     SCALING_SCENARIO,
     SCENARIOS,
     STRUCTURED_SCENARIO,
+    SUFFIX_SCENARIO,
     WEIGHTS_SCENARIO,
     SPEC_SCENARIO,
     Scenario,
@@ -54,6 +55,7 @@ from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.spec import SpecRow, run_sweep, write_spec
 from benchmarks.structured import run_structured, write_structured
+from benchmarks.suffix import run_suffix, write_suffix
 from benchmarks.weights import run_weights, write_weights
 from benchmarks.system import PEERS, PLAIN, Generation, PeerUnavailable, System
 from benchmarks.targets import evaluate, format_targets
@@ -284,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
                       "(verispec, in process)", lambda: run_cost_curve(cfg.quick, log))
     weights = _optional(cfg, state, WEIGHTS_SCENARIO, "weight updates in place against a fresh engine (verispec, "
                         "in process)", lambda: run_weights(cfg.quick, log))
+    suffix = _optional(cfg, state, SUFFIX_SCENARIO, "suffix decoding against ngram and plain: agent loop, code edit, "
+                       "RL rollouts (verispec, in process)", lambda: run_suffix(cfg.quick, cfg.max_tokens, cfg.runs, log))
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
@@ -299,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
                       "structured output, a grammar against none" if s == STRUCTURED_SCENARIO else
                       "tensor parallelism, two ranks against one" if s == SCALING_SCENARIO else
                       "step time against rows" if s == COST_SCENARIO else
-                      "weight updates in place" if s == WEIGHTS_SCENARIO else "speculative sweep"
+                      "weight updates in place" if s == WEIGHTS_SCENARIO else
+                      "suffix decoding, three workloads" if s == SUFFIX_SCENARIO else "speculative sweep"
                       for s in cfg.scenarios},
         "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
         "peers": cfg.peers,
@@ -353,6 +358,11 @@ def run(args: argparse.Namespace) -> int:
     if weights is not None:
         print()
         print(write_weights(cfg.out, machine, weights))
+    if suffix is not None:
+        print()
+        print(write_suffix(cfg.out, machine, suffix))
+        if any(r.identical == "NO" for r in suffix):
+            state.errors["suffix"] = "a speculative run's greedy output differs from the plain one"
     doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
            "fidelity": {r.tier: r.to_json() for r in state.fidelity}}

@@ -59,8 +59,10 @@ SCALING_SCENARIO = "tp"
 COST_SCENARIO = "cost"
 # In-place weight updates against a fresh engine (verispec only): see benchmarks/weights.py.
 WEIGHTS_SCENARIO = "weights"
+# Suffix decoding against prompt lookup and no drafter, three workloads (verispec only): see benchmarks/suffix.py.
+SUFFIX_SCENARIO = "suffix"
 ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO,
-                 COST_SCENARIO, WEIGHTS_SCENARIO)
+                 COST_SCENARIO, WEIGHTS_SCENARIO, SUFFIX_SCENARIO)
 
 
 def headlines() -> dict[str, str]:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from verispec.sample.noise import PURPOSES, RequestNoise, _splitmix64, exponential_rows, uniform_values
+from verispec.sample.noise import PURPOSES, RequestNoise, _splitmix64, uniform, uniform_values
 
 CPU = torch.device("cpu")
 
@@ -31,18 +31,19 @@ def test_keys_depend_on_seed_purpose_and_position_only():
 def test_a_row_is_drawn_from_its_own_key_whatever_the_other_rows():
     n = RequestNoise(3)
     k1, k2 = n.key("sample", 10), n.key("sample", 11)
-    together = exponential_rows([k1, None, k2], 64, CPU)
-    assert torch.equal(together[0], exponential_rows([k1], 64, CPU)[0])
-    assert torch.equal(together[2], exponential_rows([k2], 64, CPU)[0])
-    assert torch.equal(together[1], torch.ones(64))  # a row nobody samples costs no draw
-    assert not torch.equal(together[0], together[2])
     u = uniform_values([k2, None, k1], CPU)
-    assert u[1] == 1.0 and u[0] == uniform_values([k2], CPU)[0] and 0.0 < u[2] < 1.0
+    assert u[1] == 1.0 and u[0] == uniform_values([k2], CPU)[0] and 0.0 < u[2] < 1.0 and u[0] != u[2]
+    assert u[0].item() == uniform(k2)  # the key alone decides it
+
+
+def test_uniforms_are_never_zero_or_one():
+    assert 0.0 < uniform(0) < uniform(2**63 - 1) < 1.0
 
 
 def test_the_draws_have_their_distributions():
-    n, width = RequestNoise(11), 200_000
-    e = exponential_rows([n.key("sample", 0)], width, CPU)[0].double()
-    assert abs(e.mean().item() - 1.0) < 5 / math.sqrt(width)  # Exp(1): mean 1, sd 1
-    u = uniform_values([n.key("accept", t) for t in range(20_000)], CPU)
-    assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / 20_000)
+    n, count = RequestNoise(11), 20_000
+    u = uniform_values([n.key("accept", t) for t in range(count)], CPU)
+    assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / count)
+    # Uniform in every tenth: a chi-square on 10 bins.
+    bins = torch.bincount((u * 10).long(), minlength=10).double()
+    assert ((bins - count / 10) ** 2 / (count / 10)).sum().item() < 9 + 10 * math.sqrt(18)

@@ -25,20 +25,20 @@ def test_residual_of_q_drafts_is_the_positive_part_of_p_minus_q():
 
 def test_greedy_rows_accept_the_argmax_and_emit_it_otherwise():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0]])
-    out = row_outcomes(logits, torch.tensor([1, 2]), NO_BONUS, RowDraws(greedy=None, race=None))
+    out = row_outcomes(logits, torch.tensor([1, 2]), NO_BONUS, RowDraws(greedy=None, sample_u=None))
     assert out.accept.tolist() == [True, False] and out.emit.tolist() == [1, 0] and out.selected.tolist() == [1, 0]
 
 
 def test_a_bonus_row_is_never_accepted():
     logits = torch.tensor([[0.0, 5.0, 1.0]])
-    out = row_outcomes(logits, torch.tensor([1]), torch.tensor([True]), RowDraws(greedy=None, race=None))
+    out = row_outcomes(logits, torch.tensor([1]), torch.tensor([True]), RowDraws(greedy=None, sample_u=None))
     assert out.accept.tolist() == [False] and out.selected.tolist() == [1]  # it emits its own winner
 
 
-def test_one_hot_random_rows_accept_exactly_the_race_winner():
-    logits = torch.zeros(2, 4)  # uniform p: the noise alone picks the winner
-    race = torch.tensor([[1.0, 1.0, 0.1, 1.0], [0.1, 1.0, 1.0, 1.0]])  # winners: 2 and 0 (smallest E)
-    draws = RowDraws(greedy=torch.tensor([False, False]), race=race)
+def test_one_hot_random_rows_accept_exactly_the_drawn_winner():
+    logits = torch.zeros(2, 4)  # uniform p: u alone picks the winner, by inverse CDF
+    u = torch.tensor([0.6, 0.1], dtype=torch.float64)  # winners: 2 (0.5 <= 0.6 < 0.75) and 0
+    draws = RowDraws(greedy=torch.tensor([False, False]), sample_u=u)
     out = row_outcomes(logits, torch.tensor([2, 3]), NO_BONUS, draws)
     assert out.accept.tolist() == [True, False] and out.selected.tolist() == [2, 0]
 
@@ -46,9 +46,9 @@ def test_one_hot_random_rows_accept_exactly_the_race_winner():
 def test_q_rows_accept_when_u_times_q_is_at_most_p_else_draw_from_the_residual():
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.25, 0.25]]))
     q = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.5, 0.25]])  # draft 1 in both rows: p/q = 0.5
-    draws = RowDraws(greedy=torch.tensor([False, False]), race=torch.ones(2, 3), q=q,
+    draws = RowDraws(greedy=torch.tensor([False, False]), sample_u=torch.full((2,), 0.5, dtype=torch.float64), q=q,
                      uses_q=torch.tensor([True, True]), accept_u=torch.tensor([0.4, 0.6], dtype=torch.float64),
-                     recover=torch.ones(2, 3))
+                     recover_u=torch.full((2,), 0.5, dtype=torch.float64))
     out = row_outcomes(logits, torch.tensor([1, 1]), NO_BONUS, draws)
     assert out.accept.tolist() == [True, False]  # 0.4 * 0.5 <= 0.25 < 0.6 * 0.5
     assert out.selected[1].item() == 0  # max(p - q, 0) = [0.25, 0, 0]: only token 0 can be drawn
@@ -56,9 +56,9 @@ def test_q_rows_accept_when_u_times_q_is_at_most_p_else_draw_from_the_residual()
 
 def test_a_zero_q_always_rejects():
     logits = torch.zeros(1, 3)
-    draws = RowDraws(greedy=torch.tensor([False]), race=torch.ones(1, 3), q=torch.tensor([[0.5, 0.0, 0.5]]),
+    draws = RowDraws(greedy=torch.tensor([False]), sample_u=torch.full((1,), 0.5, dtype=torch.float64), q=torch.tensor([[0.5, 0.0, 0.5]]),
                      uses_q=torch.tensor([True]), accept_u=torch.tensor([0.0], dtype=torch.float64),
-                     recover=torch.ones(1, 3))
+                     recover_u=torch.full((1,), 0.5, dtype=torch.float64))
     assert row_outcomes(logits, torch.tensor([1]), torch.tensor([False]), draws).accept.tolist() == [False]
 
 

@@ -1,5 +1,5 @@
 """The sampler (verispec/sample/sampler.py): greedy rows take the argmax; random rows are drawn by the
-exponential race, checked against the processed distribution by chi-square, never on a masked
+inverse-CDF draw, checked against the processed distribution by chi-square, never on a masked
 token, and the same for a seeded row alone or anywhere in a batch."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_an_all_greedy_batch_draws_no_noise(monkeypatch):
     # Greedy rows never touch the random stream: the noise function must not even be called.
     import verispec.sample.sampler as sampler_mod
 
-    monkeypatch.setattr(sampler_mod, "exponential_rows", lambda *a: (_ for _ in ()).throw(AssertionError("noise drawn")))
+    monkeypatch.setattr(sampler_mod, "uniform_values", lambda *a: (_ for _ in ()).throw(AssertionError("noise drawn")))
     logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
     md = SamplingMetadata.build([make_row(SamplingParams(temperature=0.0)) for _ in range(4)], 32, CPU)
     assert torch.equal(sample(logits, md), logits.argmax(-1))

@@ -42,7 +42,7 @@ def test_layout_of_plain_host_and_device_drafts():
     assert [r.output_ids for r in meta.rows[1:4]] == [[], [7], [7, 8]]
     assert [r.position for r in meta.rows[4:]] == [3, 4, 5, 6]
     assert meta.scoring is None and meta.survival is None  # nobody asked for logprobs; no plan
-    assert meta.draws.race is None and meta.sampling.temperature is None  # all greedy: nothing to draw
+    assert meta.draws.sample_u is None and meta.sampling.temperature is None  # all greedy: nothing to draw
     # The flat batch holds c's placeholders at rows 5..7; the device drafts replace them.
     ids = torch.tensor([2, 3, 7, 8, 6, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER])
     meta.write_drafts(ids)
@@ -69,4 +69,4 @@ def test_q_draws_only_on_the_draft_rows_of_random_requests():
     assert meta.draws.greedy.tolist() == [False, False, False, True, True, False, False]
     assert (meta.draws.accept_u[2:] == 1.0).all() and (meta.draws.accept_u[:2] < 1.0).all()
     assert (meta.draws.q[2:] == 0).all() and torch.allclose(meta.draws.q[:2].sum(-1), torch.ones(2))
-    assert (meta.draws.race[3:5] == 1.0).all()  # greedy rows never draw
+    assert (meta.draws.sample_u[3:5] == 1.0).all()  # greedy rows never draw

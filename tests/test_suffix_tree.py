@@ -132,11 +132,10 @@ def test_draws_follow_the_branch_distribution():
 
 def test_uniform_is_the_request_draft_noise():
     """The extension draws with RequestNoise's own `draft` keys (sample/noise.py)."""
-    from verispec.sample.noise import RequestNoise
+    from verispec.sample.noise import RequestNoise, uniform
     noise, module = RequestNoise(1234), suffix_tree_module()
     for position in (0, 1, 77, 10**6):
-        expected = (noise.key("draft", position) + 0.5) / float(1 << 63)
-        assert module.uniform(noise.bases["draft"], position) == expected
+        assert module.uniform(noise.bases["draft"], position) == uniform(noise.key("draft", position))
 
 
 def test_a_branch_keeps_its_32_most_frequent_children():

@@ -9,7 +9,10 @@ budget cuts drafts short) and on preemption (a recomputed request samples its ne
 prefill row, without drafts). A stateful stream would hand position t different noise in each
 case, and a seeded request would change its output with its neighbours. Keyed noise gives position
 t the same draw in all of them. The one-hot verifier (spec_decode/rejection.py) relies on it: its
-acceptance test at position t is the very race plain sampling would run there.
+acceptance test at position t is the very draw plain sampling would make there.
+
+A draw is one uniform per row, made on the host from the key alone: a token is drawn from a row's
+distribution by inverse CDF (sample/sampler.py), so no row needs a vocabulary's worth of noise.
 
 Purposes are independent streams: `sample` (plain sampling, the one-hot verifier, bonus tokens),
 `draft` (model drafters), `accept` and `recover` (the q-drafter rejection rule).
@@ -20,6 +23,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
+from verispec.device_copy import to_device
 
 _M64 = (1 << 64) - 1
 PURPOSES = ("sample", "draft", "accept", "recover")
@@ -43,37 +48,19 @@ class RequestNoise:
         }
 
     def key(self, purpose: str, position: int) -> int:
-        return _splitmix64(self.bases[purpose] ^ _splitmix64(position)) >> 1  # manual_seed takes 63 bits
+        return _splitmix64(self.bases[purpose] ^ _splitmix64(position)) >> 1  # 63 bits: uniform() below
 
 
-# One scratch generator per device, re-seeded before every row: keyed draws need no per-row
-# generator objects, and the engine draws rows one after another in a single thread.
-_scratch: dict[str, torch.Generator] = {}
+_TWO_52 = float(1 << 52)
 
 
-def _generator(device: torch.device, key: int) -> torch.Generator:
-    name = str(device)
-    gen = _scratch.get(name)
-    if gen is None:
-        gen = _scratch[name] = torch.Generator(device=device)
-    gen.manual_seed(key)
-    return gen
-
-
-def exponential_rows(keys: list[int | None], width: int, device: torch.device) -> torch.Tensor:
-    """[len(keys), width] Exp(1) noise, row i drawn from key i; a None key (a greedy row, or a
-    row nobody samples) gets ones and costs no draw."""
-    noise = torch.ones(len(keys), width, device=device)
-    for i, key in enumerate(keys):
-        if key is not None:
-            noise[i].exponential_(generator=_generator(device, key))
-    return noise
+def uniform(key: int) -> float:
+    """U(0, 1) from a key: the key is already a splitmix64 output (63 well-mixed bits), so it
+    needs no generator. Its top 52 bits, centred in their cell, are exact in a float64, so 0 and 1
+    are never drawn."""
+    return ((key >> 11) + 0.5) / _TWO_52
 
 
 def uniform_values(keys: list[int | None], device: torch.device) -> torch.Tensor:
-    """[len(keys)] U(0, 1) in float64, one per key; 1.0 for a None key."""
-    out = torch.ones(len(keys), dtype=torch.float64, device=device)
-    for i, key in enumerate(keys):
-        if key is not None:
-            out[i : i + 1].uniform_(generator=_generator(device, key))
-    return out
+    """[len(keys)] U(0, 1) in float64, one per key (1.0 for a None key), in one copy."""
+    return to_device([1.0 if key is None else uniform(key) for key in keys], dtype=torch.float64, device=device)

@@ -5,19 +5,19 @@ distribution p_j after the request's tokens plus drafts 1..j; drafts past num_dr
 
 - **Greedy** rows accept draft x_j iff x_j == argmax p_j; the first mismatch emits argmax p_j; if
   every draft is accepted, the bonus is argmax of the row after the last draft.
-- **Random rows, one-hot drafts** (ngram, or any drafter without probabilities): the row's
-  *winner* is the exponential race argmax(p_j / E_t) with the noise E_t that plain sampling uses at
-  that position t (sample/noise.py). Draft x_j is accepted iff it is the winner; the first
-  rejection emits the winner, and so does the bonus row. This is the rejection rule of the design
-  notes (accept x with probability p(x), u <= p(x) for q one-hot; on rejection draw from p with x
-  removed): the race wins with x with probability p(x), and, given that it did not, its winner is
-  distributed as p without x. One race realises both the test and the residual draw, so the
-  emitted token at every position is exactly the token non-speculative sampling would emit there:
-  seeded output is the same with or without drafts, whatever the batch or preemption.
-- **Random rows, drafts with probabilities q** (layer_skip, draft_model): accept x_j iff
+- **Random rows, one-hot drafts** (ngram, greedy-path suffix drafts, or any drafter without
+  probabilities): the row's *winner* is the draw from p_j with the uniform u_t that plain sampling
+  uses at that position t (sample/sampler.py's inverse CDF, sample/noise.py's keys). Draft x_j is
+  accepted iff it is the winner; the first rejection emits the winner, and so does the bonus row.
+  This is the rejection rule of the design notes (accept x with probability p(x) for q one-hot; on
+  rejection draw from p with x removed): the draw is x with probability p(x), and, given that it
+  is not, it is distributed as p without x. One draw realises both the test and the residual draw,
+  so the emitted token at every position is exactly the token non-speculative sampling would emit
+  there: seeded output is the same with or without drafts, whatever the batch or preemption.
+- **Random rows, drafts with probabilities q** (layer_skip, draft_model, suffix): accept x_j iff
   u_j * q_j(x_j) <= p_j(x_j), u ~ U(0,1) in float64 (a zero q(x) always rejects); the first
-  rejection emits a draw from norm(max(p - q, 0)); the bonus is the row's race winner. u, the
-  residual draw and the race use independent keyed streams (accept / recover / sample).
+  rejection emits a draw from norm(max(p - q, 0)); the bonus is the row's winner. The test, the
+  residual draw and the winner use independent keyed streams (accept / recover / sample).
 
 The work is split in two so that verification can run in chunks of rows:
 `row_outcomes` needs nothing but the row itself (its p, its draft, its q row and its noise), so any
@@ -38,7 +38,8 @@ import torch
 
 from verispec.device_copy import to_device
 from verispec.sample.metadata import RowSpec
-from verispec.sample.noise import exponential_rows, uniform_values
+from verispec.sample.noise import uniform_values
+from verispec.sample.sampler import inverse_cdf
 
 
 @dataclass(slots=True)
@@ -60,11 +61,11 @@ class RowDraws:
     the rows' noise keys (`RowSpec.noise_key`, the one place keys are made)."""
 
     greedy: torch.Tensor | None  # [N] bool; None: every row is greedy
-    race: torch.Tensor | None  # [N, V] Exp(1) `sample` noise (ones on greedy rows); None: all greedy
+    sample_u: torch.Tensor | None  # [N] float64 U(0,1) `sample` draws (1.0 on greedy rows); None: all greedy
     q: torch.Tensor | None = None  # [N, V] draft probabilities (zeros where unused); None: all one-hot
     uses_q: torch.Tensor | None = None  # [N] bool: the row verifies a q-draft of a random request
     accept_u: torch.Tensor | None = None  # [N] float64 U(0,1) `accept` draws
-    recover: torch.Tensor | None = None  # [N, V] Exp(1) `recover` noise
+    recover_u: torch.Tensor | None = None  # [N] float64 U(0,1) `recover` draws
 
     @classmethod
     def build(cls, rows: list[list[RowSpec]], q: list[torch.Tensor | None], vocab: int,
@@ -74,9 +75,9 @@ class RowDraws:
         flat = [spec for group in rows for spec in group]
         greedy = [spec.params.greedy for spec in flat]
         if all(greedy):
-            return cls(greedy=None, race=None)  # greedy requests have no q rule either
+            return cls(greedy=None, sample_u=None)  # greedy requests have no q rule either
         draws = cls(greedy=to_device(greedy, dtype=torch.bool, device=device),
-                    race=exponential_rows([spec.noise_key("sample") for spec in flat], vocab, device))
+                    sample_u=uniform_values([spec.noise_key("sample") for spec in flat], device))
         with_q = [x is not None and not group[0].params.greedy for x, group in zip(q, rows)]
         if not any(with_q):
             return draws
@@ -87,15 +88,14 @@ class RowDraws:
                              for x, has, group in zip(q, with_q, rows)])
         draws.uses_q = to_device(uses, dtype=torch.bool, device=device)
         draws.accept_u = uniform_values([s.noise_key("accept") if u else None for s, u in zip(flat, uses)], device)
-        draws.recover = exponential_rows([s.noise_key("recover") if u else None for s, u in zip(flat, uses)],
-                                         vocab, device)
+        draws.recover_u = uniform_values([s.noise_key("recover") if u else None for s, u in zip(flat, uses)], device)
         return draws
 
     def select(self, index: torch.Tensor) -> "RowDraws":
         """The draws of candidate rows `index` (a device tensor)."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return replace(self, greedy=pick(self.greedy), race=pick(self.race), q=pick(self.q),
-                       uses_q=pick(self.uses_q), accept_u=pick(self.accept_u), recover=pick(self.recover))
+        return replace(self, greedy=pick(self.greedy), sample_u=pick(self.sample_u), q=pick(self.q),
+                       uses_q=pick(self.uses_q), accept_u=pick(self.accept_u), recover_u=pick(self.recover_u))
 
 
 def residual_distribution(
@@ -116,9 +116,9 @@ def row_outcomes(
     """Per-row verification statistics; rows are independent of each other."""
     winners = processed.argmax(dim=-1)
     probs = None
-    if draws.race is not None:
+    if draws.sample_u is not None:
         probs = processed.softmax(dim=-1)
-        winners = torch.where(draws.greedy, winners, (probs / draws.race).argmax(dim=-1))
+        winners = torch.where(draws.greedy, winners, inverse_cdf(probs, draws.sample_u))
     accept = drafts == winners
     emit = winners
     if draws.q is not None:
@@ -127,7 +127,7 @@ def row_outcomes(
         p_draft = probs.gather(-1, index).squeeze(-1).double()
         q_draft = draws.q.gather(-1, index).squeeze(-1).double()
         accept_q = (draws.accept_u * q_draft <= p_draft) & (q_draft > 0)
-        recovered = (residual_distribution(probs, index[:, 0], draws.q) / draws.recover).argmax(dim=-1)
+        recovered = inverse_cdf(residual_distribution(probs, index[:, 0], draws.q), draws.recover_u)
         accept = torch.where(draws.uses_q, accept_q, accept)
         emit = torch.where(draws.uses_q & ~is_bonus, recovered, emit)
     accept = accept & ~is_bonus

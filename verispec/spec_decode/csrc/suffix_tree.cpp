@@ -61,7 +61,7 @@ struct Draft {
 };
 
 // U(0, 1) of a request's `draft` noise at a sequence position: sample/noise.py's RequestNoise.key
-// (splitmix64 of the purpose's base mixed with the position's splitmix64, 63 bits), centred.
+// (splitmix64 of the purpose's base mixed with the position's splitmix64, 63 bits) and uniform().
 uint64_t splitmix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ULL;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -71,7 +71,7 @@ uint64_t splitmix64(uint64_t x) {
 
 double uniform(uint64_t base, int64_t position) {
   const uint64_t key = splitmix64(base ^ splitmix64(static_cast<uint64_t>(position))) >> 1;
-  return (static_cast<double>(key) + 0.5) / 9223372036854775808.0;
+  return (static_cast<double>(key >> 11) + 0.5) / 4503599627370496.0;  // 2^52: exact, never 0 or 1
 }
 
 // Draws for a random request: its `draft` noise base and the position of its first draft.
