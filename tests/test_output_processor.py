@@ -106,6 +106,19 @@ def test_a_stop_string_across_tokens_stops_at_the_token_that_completes_it(tokeni
     assert "a gam" in tokenizer.decode(done) and "a gam" not in tokenizer.decode(done[:-1])
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_inside_a_multi_token_step_drops_the_steps_later_tokens(tokenizer, include):
+    """Accepted drafts arrive several to a step: the output still ends at the token that completes
+    the stop string, as one token at a time would, with its logprobs cut alike."""
+    ids = tokenizer.encode("alpha beta gamma delta epsilon")
+    one = make_request(SamplingParams(stop=["a gam"], include_stop_str_in_output=include))
+    feed(OutputProcessor(tokenizer, max_model_len=10_000), one, ids)
+    many = make_request(SamplingParams(stop=["a gam"], include_stop_str_in_output=include))
+    OutputProcessor(tokenizer, max_model_len=10_000).append_tokens(many, ids, None)
+    assert many.output_token_ids == one.output_token_ids and len(many.output_token_ids) < len(ids)
+    assert many.output_text == one.output_text and many.stop_reason == "a gam"
+
+
 def test_an_output_ending_inside_a_character_shows_its_bytes_at_the_end(tokenizer):
     proc = OutputProcessor(tokenizer, max_model_len=10_000)
     ids = tokenizer.encode("😀🎉")

@@ -125,7 +125,19 @@ class OutputProcessor:
             if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
                 req.status = RequestStatus.FINISHED_LENGTH
                 break
+            if p.stop and i + 1 < len(tokens) and self._stop_reached(req):
+                break  # accepted drafts past a stop string are not output: plain decoding stops here
         self._update_text(req)
+
+    def _stop_reached(self, req: Request) -> bool:
+        """Whether the text so far completes a stop string (checked between a step's tokens)."""
+        if self.tokenizer is None:
+            return False
+        if self._backend is not None and req.detok is not None:
+            text = req.detok.text
+        else:
+            text = self.decode(req.output_token_ids, req.params.skip_special_tokens)
+        return self._find_stop(text, req.params.stop, len(req.output_text)) is not None
 
     def append_prompt_logprobs(self, req: Request, first: int, lists: LogprobsLists) -> None:
         """Rows predicting prompt tokens first+1 ...; entry i of the list belongs to prompt token i."""
