@@ -126,4 +126,6 @@ def sampling(kind: str, max_tokens: int) -> Any:
 
     if kind == "rl":
         return SamplingParams(temperature=RL_TEMPERATURE, n=RL_SAMPLES, seed=RL_SEED, max_tokens=max_tokens)
+    if kind == "code":  # the answer ends with the code block (its closing fence), as an editor reads it
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=["\n```\n"])
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
