@@ -119,6 +119,18 @@ def test_a_profiled_cost_table_learns_the_steps_overhead_and_keeps_the_forwards_
     assert learnt(1) > 0
 
 
+def test_one_outlier_step_moves_the_overhead_by_at_most_its_tables_cost():
+    """A step that took a second (a graph compiled for a new shape) must not price the next
+    steps' draft rows as free: its excess counts at most the table's own cost."""
+    learnt = CostModel([1, 8, 64], [0.01, 0.02, 0.1], learn=True)
+    for _ in range(50):
+        learnt.observe(8, 0.025)
+    before = learnt.overhead
+    learnt.observe(8, 1.0)
+    assert learnt.overhead <= before + 0.2 * (0.02 - before) + 1e-12
+    assert learnt.overhead < 0.01
+
+
 def survival_rows(rows: int, width: int, seed: int) -> tuple[torch.Tensor, list[list[float]]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, width + 1, (rows,), generator=g).tolist()

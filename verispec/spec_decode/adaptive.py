@@ -108,10 +108,15 @@ class CostModel:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """One measured step of `num_tokens` tokens: `overhead` moves toward its excess over the
-        table (an exponential average). It never takes a step below half the table's cost."""
+        table (an exponential average), the excess capped at the table's cost. It never takes a
+        step below half the table's cost."""
         if not self.learn or num_tokens < 1 or seconds <= 0:
             return
-        excess = seconds - self.table(num_tokens)
+        # A step over twice its table's cost is an outlier (a graph compiled for a new shape, a
+        # collection, a neighbour's burst): counted at that bound, or one such step of a second
+        # priced the next ten steps' draft rows as nearly free (the overhead dwarfing them).
+        table = self.table(num_tokens)
+        excess = min(seconds - table, table)
         self.overhead += COST_LEARNING_RATE * (excess - self.overhead)
         self.overhead = max(self.overhead, -0.5 * self.seconds[0])
 
