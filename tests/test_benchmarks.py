@@ -35,7 +35,7 @@ def test_defaults_and_quick():
     full = resolve(bench_args())
     assert (full.max_tokens, full.runs, full.quick) == (128, 3, False)
     assert full.peers == ["hf", "llamacpp"]
-    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost", "weights"]
+    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost", "weights", "suffix"]
     quick = resolve(bench_args("--quick", "--out", "x"))
     assert (quick.max_tokens, quick.runs, quick.out) == (32, 1, Path("x"))
 
@@ -322,3 +322,30 @@ def test_the_weights_table_says_whether_each_tier_met_its_bound(tmp_path):
     md = write_weights(tmp_path, {"cpu": "x"}, rows)
     assert "| exact | 272 | 0.20 s | 12.0 s | < 1 s | yes |" in md and "| fast | 272 | 3.50 s | 6.0 s | < 3 s | NO |" in md
     assert (tmp_path / "weights.json").exists()
+
+
+def test_suffix_workloads_answer_tool_calls_and_read_the_standard_library():
+    from benchmarks.workloads import code_edit_messages, tool_result
+
+    weather = json.loads(tool_result('Sure: {"name": "get_weather", "arguments": {"city": "Oslo"}}'))
+    assert weather["city"] == "Oslo" and weather == json.loads(tool_result('{"name": "get_weather", "arguments": {"city": "Oslo"}}'))
+    assert "error" in json.loads(tool_result("no call here")) and "error" in json.loads(tool_result('{"name": "x"}'))
+    messages = code_edit_messages(8)
+    assert len(messages) == 8 and all("def " in m[0]["content"] for m in messages)
+
+
+def test_suffix_targets_read_the_rows_ratios():
+    from benchmarks.suffix import SuffixRow, format_suffix, targets
+
+    rows = []
+    for tier in ("exact", "fast"):
+        for w in ("agent", "code_edit", "rl"):
+            for variant, tok_s in (("plain", 10.0), ("ngram", 12.0), ("suffix", 24.0), ("suffix+adaptive", 9.0)):
+                rows.append(SuffixRow(tier, w, variant, tokens=[int(tok_s * 10)], seconds=[10.0], drafts=4, accepted=8,
+                                      drafter_s=0.2 if variant.startswith("suffix") else 0.0))
+    found = {t.name: t for t in targets(rows)}
+    assert found["exact agent: suffix / ngram"].ratio == 2.0 and found["exact agent: suffix / ngram"].met
+    assert not found["fast rl: suffix+adaptive / plain"].met  # 0.9x < 0.97x
+    assert found["exact rl suffix: drafter host time / wall (batch 16)"].ratio == pytest.approx(0.02)
+    table = format_suffix(rows)
+    assert "| exact | agent | suffix | 24.0 | 2.40x | 3.00 |" in table and "NO" in table
