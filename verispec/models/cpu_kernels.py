@@ -130,8 +130,8 @@ def _key(cxx: str, level: str) -> str:
 
 
 class BuildFailed(RuntimeError):
-    def __init__(self, level: str, cause: str, log: Path):
-        super().__init__(f"the {level} build failed ({cause}); compiler output in {log}")
+    def __init__(self, what: str, cause: str, log: Path):
+        super().__init__(f"the {what} build failed ({cause}); compiler output in {log}")
 
 
 def _first_error(output: str) -> str:
@@ -139,32 +139,43 @@ def _first_error(output: str) -> str:
     return next((ln for ln in lines if "error" in ln), lines[-1] if lines else "no output")[:160]
 
 
-def build(cxx: str, level: str) -> Path:
-    """The library for `level`, compiled on first use; raises `BuildFailed` (also for a failure
-    remembered from an earlier start: delete the .failed file, or change the compiler, to retry)."""
+def build_once(stem: str, what: str, cxx: str, compile_into) -> Path:
+    """`kernels/<stem>.so` under verispec's cache, made by `compile_into(path)` (which returns
+    whether it succeeded and the compiler's output) on first use. Raises `BuildFailed`, also for a
+    failure remembered from an earlier start: delete the .failed file, or change the compiler, to
+    retry."""
     cache = cache_dir() / "kernels"
-    stem = f"verispec_cpu-{level.lower()}-{_key(cxx, level)}"
     target, failed, log = cache / f"{stem}.so", cache / f"{stem}.failed", cache / f"{stem}.log"
     if target.exists():
         return target
     if failed.exists():
-        raise BuildFailed(level, failed.read_text().strip() or "an earlier start", log)
+        raise BuildFailed(what, failed.read_text().strip() or "an earlier start", log)
     cache.mkdir(parents=True, exist_ok=True)
-    logger.info("building verispec's CPU kernels for %s (once per machine, about 15 s)", level)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        objs = [Path(tmp) / f"{src.stem}.o" for src in _SOURCES]
         built = Path(tmp) / target.name
-        ok, output = _run_all([_compile_command(cxx, src, obj, level) for src, obj in zip(_SOURCES, objs)])
-        if ok:
-            ok, linked = _run_all([_link_command(cxx, objs, built)])
-            output += linked
+        ok, output = compile_into(built)
         if not ok or not built.exists():
             log.write_text(output)
             cause = f"{Path(cxx).name}: {_first_error(output)}"
             failed.write_text(cause + "\n")
-            raise BuildFailed(level, cause, log)
+            raise BuildFailed(what, cause, log)
         os.replace(built, target)  # atomic: a concurrent builder never loads half a file
     return target
+
+
+def build(cxx: str, level: str) -> Path:
+    """The library for `level`, compiled on first use (`build_once`)."""
+
+    def compile_into(built: Path) -> tuple[bool, str]:
+        logger.info("building verispec's CPU kernels for %s (once per machine, about 75 s)", level)
+        objs = [built.parent / f"{src.stem}.o" for src in _SOURCES]
+        ok, output = _run_all([_compile_command(cxx, src, obj, level) for src, obj in zip(_SOURCES, objs)])
+        if ok:
+            ok, linked = _run_all([_link_command(cxx, objs, built)])
+            output += linked
+        return ok, output
+
+    return build_once(f"verispec_cpu-{level.lower()}-{_key(cxx, level)}", level, cxx, compile_into)
 
 
 _build_lock = threading.Lock()  # the engine starts the build in a thread; a model that needs it waits

@@ -22,14 +22,12 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 
 import torch.utils.cpp_extension as cpp_extension
 
-from verispec.models.cpu_kernels import cxx_compiler
-from verispec.models.loader import cache_dir
+from verispec.models.cpu_kernels import BuildFailed, build_once, cxx_compiler
 
 _SOURCE = Path(__file__).parent / "csrc" / "suffix_tree.cpp"
 _MODULE = "verispec_suffix"
@@ -46,27 +44,18 @@ def _key(cxx: str) -> str:
 
 
 def _build(cxx: str) -> Path:
-    cache = cache_dir() / "kernels"
-    stem = f"{_MODULE}-{_key(cxx)}"
-    target, failed, log = cache / f"{stem}.so", cache / f"{stem}.failed", cache / f"{stem}.log"
-    if target.exists():
-        return target
-    if failed.exists():
-        raise SuffixTreeUnavailable(f"an earlier build failed ({failed.read_text().strip()}); output in {log}")
-    cache.mkdir(parents=True, exist_ok=True)
     includes = [sysconfig.get_paths()["include"], *cpp_extension.include_paths()]
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
+
+    def compile_into(built: Path) -> tuple[bool, str]:
         cmd = [cxx, str(_SOURCE), "-o", str(built), "-shared", "-fPIC", "-O2", "-std=c++17",
                "-fvisibility=hidden", *(f"-I{p}" for p in includes)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0 or not built.exists():
-            log.write_text(proc.stdout)
-            lines = [ln.strip() for ln in proc.stdout.splitlines() if "error" in ln] or ["no output"]
-            failed.write_text(lines[0][:160] + "\n")
-            raise SuffixTreeUnavailable(f"the build failed ({lines[0][:160]}); output in {log}")
-        os.replace(built, target)  # atomic: a concurrent builder never loads half a file
-    return target
+        return proc.returncode == 0, proc.stdout
+
+    try:
+        return build_once(f"{_MODULE}-{_key(cxx)}", "suffix tree", cxx, compile_into)
+    except BuildFailed as exc:
+        raise SuffixTreeUnavailable(str(exc)) from None
 
 
 _lock = threading.Lock()
