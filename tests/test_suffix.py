@@ -168,3 +168,15 @@ def test_n_samples_learn_from_each_other(tiny_llama):
         runs.append([c.token_ids for c in llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs])
         assert llm.stats()["num_accepted_tokens"] > 0
     assert runs[0] == runs[1]
+
+
+def test_without_a_compiler_the_engine_refuses_at_start_up(monkeypatch):
+    import verispec.spec_decode.suffix as suffix_mod
+    from verispec.spec_decode.suffix_tree import SuffixTreeUnavailable
+
+    def unavailable():
+        raise SuffixTreeUnavailable("no C++ compiler (install g++)")
+
+    monkeypatch.setattr(suffix_mod, "suffix_tree_module", unavailable)
+    with pytest.raises(RuntimeError, match="method 'suffix' needs its C\\+\\+ suffix tree: no C\\+\\+ compiler"):
+        SuffixDrafter(suffix_config())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from verispec.config import SpeculativeConfig
 from verispec.request import Request
 from verispec.spec_decode.drafter import draft_room
-from verispec.spec_decode.suffix_tree import SuffixTree
+from verispec.spec_decode.suffix_tree import SuffixTree, SuffixTreeUnavailable, suffix_tree_module
 
 @dataclass(slots=True)
 class _Live:
@@ -137,6 +137,10 @@ class SuffixDrafter:
     needs_forward = False
 
     def __init__(self, cfg: SpeculativeConfig):
+        try:  # built (once per machine) and loaded at start-up, not in a request's first step
+            suffix_tree_module()
+        except SuffixTreeUnavailable as exc:
+            raise RuntimeError(f"speculative_config method 'suffix' needs its C++ suffix tree: {exc}") from None
         self.k = cfg.num_speculative_tokens
         self.factor = cfg.suffix_decoding_max_spec_factor
         self.min_prob = cfg.suffix_decoding_min_token_prob
