@@ -7,7 +7,6 @@ during a large one. Loopback only; each reproducer is bounded in time.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from server_utils import ServerProcess, sse_events
+from server_utils import ServerProcess
 
 pytestmark = pytest.mark.slow
 

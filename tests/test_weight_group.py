@@ -13,7 +13,6 @@ import sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conftest import make_tiny_checkpoint, random_prompts
