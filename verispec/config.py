@@ -114,7 +114,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    # The global tree's memory bound: cached finished tokens (docs/speculative.md has the bytes
+    # The global tree's memory bound: cached finished tokens (docs/benchmarks.md has the bytes
     # per token); the oldest requests leave first. Not in vLLM, whose bound is requests alone.
     suffix_decoding_max_cached_tokens: int = 1 << 20
 

@@ -117,7 +117,8 @@ class SpecDecodeMetadata:
 def _q_rows(reqs: list["Request"], model: list[ModelDrafts | None], num_drafts: list[int], vocab: int,
             device: torch.device) -> list[torch.Tensor | None]:
     """Each request's q rows [d, V]: a model drafter's, on the device already, or a host drafter's
-    sparse q (suffix decoding) scattered into zeros, every request's in one copy; None: one-hot."""
+    sparse q (suffix decoding) scattered into zeros, every request's in one pair of copies (positions,
+    values); None: one-hot."""
     out: list[torch.Tensor | None] = [m.probs if m is not None else None for m in model]
     host = [i for i, (req, m) in enumerate(zip(reqs, model)) if m is None and req.draft_q and num_drafts[i]]
     if not host:

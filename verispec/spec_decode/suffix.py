@@ -108,8 +108,9 @@ class SuffixCache:
                 del self.global_trees[salt]
 
     def speculate(self, req: Request, max_tokens: int, factor: float, min_prob: float, draw: bool):
-        """The better of the request's own tree and its salt's global tree (None: no draft)."""
-        live = self.sync(req)
+        """The better of the request's own tree and its salt's global tree (None: no draft). The
+        request's trees hold its tokens already: the drafter syncs every running request first."""
+        live = self.live[req.request_id]
         context = req.token_ids[-self.depth:]
         # A random request draws with its `draft` noise at the drafts' own positions.
         draws = (req.noise.bases["draft"] if draw else None, req.num_tokens)
