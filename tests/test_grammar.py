@@ -7,8 +7,10 @@ tokens); the schema acceptance run uses SmolLM2 itself.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -324,9 +326,10 @@ def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
     from verispec.sample.grammar import _parser_limits
 
     text = json.dumps(schema, sort_keys=True)
-    eng.grammars._compiled[("json", text)] = llguidance.LLMatcher(
-        eng.grammars._tokenizer(), llguidance.grammar_from("json_schema", text), log_level=0,
-        limits=_parser_limits(eng.grammars.limits))
+    planted = concurrent.futures.Future()
+    planted.set_result(llguidance.LLMatcher(eng.grammars._tokenizer(), llguidance.grammar_from("json_schema", text),
+                                            log_level=0, limits=_parser_limits(eng.grammars.limits)))
+    eng.grammars._compiled[("json", text)] = planted
     outs = llm.generate([[1, 5, 6], [1, 5, 7]], [
         SamplingParams(max_tokens=8, structured_outputs={"json": schema}),
         SamplingParams(max_tokens=4, temperature=0),
@@ -386,6 +389,30 @@ def test_a_choice_row_past_llguidances_items_is_found_by_the_probe(tiny_tok):
     with pytest.raises(GrammarError, match="items; max is 2000"):
         compiler.matcher(StructuredOutputsParams(choice=[f"item{i}" for i in range(3000)]))
     assert compiler.matcher(StructuredOutputsParams(choice=[f"item{i}" for i in range(1000)])) is not None
+
+
+def test_a_grammar_that_fails_is_compiled_once_and_refused_alike_after(tiny_tok, monkeypatch):
+    """A client repeating a grammar past the limits costs one compile: the error is kept beside
+    the templates and raised afresh (same message) for the repeats; concurrent askers share one."""
+    from verispec.models.loader import load_tokenizer
+    from verispec.sample.grammar import GrammarCompiler, GrammarError
+
+    compiler = GrammarCompiler(load_tokenizer(tiny_tok), 49152, frozenset({2}))
+    compiles = []
+    real = compiler._compile
+    monkeypatch.setattr(compiler, "_compile", lambda *a: compiles.append(a) or time.sleep(0.2) or real(*a))  # askers overlap
+    bad = StructuredOutputsParams(regex="(a{1000}){1000}")
+    messages = []
+    for _ in range(3):
+        with pytest.raises(GrammarError) as info:
+            compiler.matcher(bad)
+        messages.append(str(info.value))
+    assert len(compiles) == 1 and len(set(messages)) == 1 and "regex" in messages[0]
+    # Asked four times at once, a new grammar is compiled once; each asker gets its own matcher.
+    good = StructuredOutputsParams(regex="[ab]{2}")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        matchers = list(pool.map(lambda _: compiler.matcher(good), range(4)))
+    assert len(compiles) == 2 and len({id(m.matcher) for m in matchers}) == 4
 
 
 def test_min_tokens_with_a_grammar_is_refused_and_a_refused_token_fails_only_its_request(engines):

@@ -7,6 +7,7 @@ during a large one. Loopback only; each reproducer is bounded in time.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import time
 
 import pytest
@@ -75,9 +76,11 @@ def test_health_answers_within_a_second_while_hostile_bodies_are_in_flight(serve
         ("/v1/completions", {"prompt": "Hi", "guided_regex": "(a{1000}){1000}"}, "guided_regex"),
         ("/v1/completions", {"prompt": "Hi", "guided_json": REF_LOOP}, "guided_json"),
     ]
+    # Serialized up front: the probe times the server, not this process's threads encoding 40 MB.
+    encoded = [(path, json.dumps(body), param) for path, body, param in hostile]
     with cf.ThreadPoolExecutor(len(hostile) * 2) as pool:
         futures = [(pool.submit(_timed, server.post, path, body), param)
-                   for path, body, param in hostile * 2]
+                   for path, body, param in encoded * 2]
         health = []
         while not all(f.done() for f, _ in futures) or len(health) < 5:
             r, took = _timed(server.get, "/health", timeout=10)

@@ -17,6 +17,7 @@ invalid up front. One that fails later fails its own request as the client's err
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import threading
 from collections import OrderedDict
@@ -102,7 +103,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
-        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], cf.Future] = OrderedDict()  # -> a template or the error text
         self._lock = threading.Lock()
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
@@ -110,27 +111,43 @@ class GrammarCompiler:
         kind = params.kind
         text = _grammar_text(params)
         key = (kind, text)
+        self._check_size(kind, text, params)
         with self._lock:
-            template = self._compiled.get(key)
-            if template is not None:
-                self._compiled.move_to_end(key)
-        if template is None:
-            template = self._compile(kind, text, params)
-            with self._lock:
-                self._compiled[key] = template
+            entry = self._compiled.get(key)
+            owner = entry is None
+            if owner:
+                entry = self._compiled[key] = cf.Future()
                 if len(self._compiled) > _MAX_COMPILED:
                     self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        if owner:  # the first asker compiles; the same grammar asked meanwhile waits for it
+            try:
+                entry.set_result(self._compile(kind, text))
+            except GrammarError as exc:  # kept too: a client repeating a grammar that fails costs once
+                entry.set_result(exc.detail)
+            except BaseException as exc:
+                with self._lock:
+                    if self._compiled.get(key) is entry:
+                        del self._compiled[key]
+                entry.set_exception(exc)
+                raise
+        template = entry.result()
+        if isinstance(template, str):
+            raise GrammarError(kind, template)
         return RequestGrammar(template.deep_copy())
 
-    def _compile(self, kind: str, text: str, params: StructuredOutputsParams) -> Any:
-        import llguidance
-
+    def _check_size(self, kind: str, text: str, params: StructuredOutputsParams) -> None:
         limits = self.limits
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > limits.max_bytes:
             raise GrammarError(kind, f"the grammar is {size} bytes; this server accepts at most {limits.max_bytes} (--max-grammar-bytes)")
         if params.choice is not None and len(params.choice) > limits.max_choices:
             raise GrammarError(kind, f"{len(params.choice)} choices; this server accepts at most {limits.max_choices} (--max-grammar-choices)")
+
+    def _compile(self, kind: str, text: str) -> Any:
+        import llguidance
+
         try:
             grammar = llguidance.grammar_from(_FORMATS[kind], text)
         except ValueError as exc:
