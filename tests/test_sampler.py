@@ -8,12 +8,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from test_processors import CPU, NEG_INF, make_row
 from verispec.sample.metadata import SamplingMetadata
 from verispec.sample.noise import RequestNoise
 from verispec.sample.processors import apply_processors
-from verispec.sample.sampler import sample
+from verispec.sample.sampler import CDF_BLOCK, inverse_cdf, sample
 from verispec.sampling_params import SamplingParams
 
 
@@ -111,3 +113,37 @@ def test_an_all_greedy_batch_draws_no_noise(monkeypatch):
     logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(2))
     md = SamplingMetadata.build([make_row(SamplingParams(temperature=0.0)) for _ in range(4)], 32, CPU)
     assert torch.equal(sample(logits, md), logits.argmax(-1))
+
+
+def _flat_inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The definition: the first column whose float64 cumulative sum exceeds u times the total."""
+    cdf = weights.double().cumsum(dim=-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_max(weights.shape[1] - 1)
+
+
+@pytest.mark.parametrize("vocab", [49152, 50000, 3 * CDF_BLOCK + 1, 100])
+def test_the_two_level_draw_is_the_flat_inverse_cdf(vocab):
+    """Blocks of CDF_BLOCK columns, a short last block, one block: the draws are the definition's,
+    but for a draw within a float32 part sum's rounding (about 4e-7 of a part) of a boundary."""
+    gen = torch.Generator().manual_seed(vocab)
+    weights = (torch.randn(64, vocab, generator=gen) * 4).softmax(dim=-1)
+    weights[weights < 1e-6] = 0.0
+    weights[::3, CDF_BLOCK:2 * CDF_BLOCK] = 0.0  # whole blocks without mass
+    draws = differ = 0
+    for _ in range(40):
+        u = torch.rand(64, generator=gen, dtype=torch.float64)
+        got, want = inverse_cdf(weights, u), _flat_inverse_cdf(weights, u)
+        assert (weights.gather(1, got[:, None]) > 0).all()
+        draws, differ = draws + 64, differ + int((got != want).sum())
+    assert differ <= 1, (differ, draws)
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.integers(1, 3 * CDF_BLOCK), nonzero=st.lists(st.integers(0, 3 * CDF_BLOCK - 1), min_size=1, max_size=5),
+       u=st.sampled_from([2.0**-53, 1e-9, 0.5, 1 - 1e-9, 1 - 2.0**-53]), scale=st.sampled_from([1e-30, 1e-6, 1.0]))
+def test_a_column_without_weight_is_never_drawn(vocab, nonzero, u, scale):
+    weights = torch.zeros(1, vocab)
+    for i in nonzero:
+        weights[0, i % vocab] = scale * (1 + i % 7)
+    got = int(inverse_cdf(weights, torch.tensor([u], dtype=torch.float64))[0])
+    assert weights[0, got] > 0

@@ -113,23 +113,27 @@ def row_outcomes(
     is_bonus: torch.Tensor,  # [N] bool
     draws: RowDraws,  # the rows' own draws
 ) -> RowOutcome:
-    """Per-row verification statistics; rows are independent of each other."""
+    """Per-row verification statistics; rows are independent of each other. A random row makes
+    one draw: from the residual max(p - q, 0) where it tests a q-draft (its recovered token), from
+    p otherwise (its sample: the one-hot test's winner, or its bonus token)."""
     winners = processed.argmax(dim=-1)
-    probs = None
-    if draws.sample_u is not None:
+    if draws.sample_u is None:  # every row greedy (so no q rule either)
+        accept, emit = drafts == winners, winners
+    elif draws.q is None:
+        winners = torch.where(draws.greedy, winners, inverse_cdf(processed.softmax(dim=-1), draws.sample_u))
+        accept, emit = drafts == winners, winners
+    else:
         probs = processed.softmax(dim=-1)
-        winners = torch.where(draws.greedy, winners, inverse_cdf(probs, draws.sample_u))
-    accept = drafts == winners
-    emit = winners
-    if draws.q is not None:
         index = drafts.clamp_min(0)[:, None]  # a bonus row's placeholder is never tested
-        probs = processed.softmax(dim=-1) if probs is None else probs
+        recover = draws.uses_q & ~is_bonus
+        weights = torch.where(recover[:, None], residual_distribution(probs, index[:, 0], draws.q), probs)
+        drawn = inverse_cdf(weights, torch.where(recover, draws.recover_u, draws.sample_u))
+        winners = torch.where(draws.greedy, winners, drawn)
         p_draft = probs.gather(-1, index).squeeze(-1).double()
         q_draft = draws.q.gather(-1, index).squeeze(-1).double()
         accept_q = (draws.accept_u * q_draft <= p_draft) & (q_draft > 0)
-        recovered = inverse_cdf(residual_distribution(probs, index[:, 0], draws.q), draws.recover_u)
-        accept = torch.where(draws.uses_q, accept_q, accept)
-        emit = torch.where(draws.uses_q & ~is_bonus, recovered, emit)
+        accept = torch.where(draws.uses_q, accept_q, drafts == winners)
+        emit = winners  # on a row that tests a q-draft, `drawn` is its recovered token
     accept = accept & ~is_bonus
     return RowOutcome(accept=accept, emit=emit, selected=torch.where(accept, drafts, emit))
 
