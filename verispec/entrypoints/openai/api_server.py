@@ -135,7 +135,10 @@ def build_app(config: ServerConfig) -> FastAPI:
         logger.info("%s", ready.runtime_line)
         # llguidance's tokenizer takes about 0.5 s to build and holds the GIL while it does: built
         # before the first request is served, so neither it nor the first grammar stalls the loop.
-        await asyncio.to_thread(app.state.ctx.grammars.warm)
+        try:
+            await asyncio.to_thread(app.state.ctx.grammars.warm)
+        except Exception as exc:  # e.g. no EOS token: the first structured request names the problem
+            logger.warning("structured output is not ready: %s", exc)
         pids = ", ".join(str(r.ready.pid) for r in client.replicas)
         logger.info("serving %s (engine core pid %s) on http://%s:%d", name, pids, config.host, config.port)
         try:
