@@ -2,11 +2,11 @@
 
 A random row draws by inverse CDF: the first token whose cumulative probability (float64 sums, in
 vocabulary order, in two levels of blocks) exceeds u times the row's total, u ~ U(0, 1) from the
-row's key. Each row's u is
-keyed by its request's seed and the position it emits (sample/noise.py), so a seeded request gets
-the same tokens whatever else shares the batch, whatever drafts it verifies and however often it
-is preempted. One uniform per row: an exponential race (argmax p / E) needs a vocabulary's worth
-of Exp(1) noise per row, which cost 1 ms a row on a CPU (49152 entries), more than the row's logits.
+row's key. Each row's u is keyed by its request's seed and the position it emits (sample/noise.py),
+so a seeded request gets the same tokens whatever else shares the batch, whatever drafts it verifies
+and however often it is preempted. One uniform per row: an exponential race (argmax p / E) needs a
+vocabulary's worth of Exp(1) noise per row, which cost 1 ms a row on a CPU (49152 entries), more
+than the row's logits.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     and summing one, mostly in fresh pages): u picks a block of CDF_BLOCK columns by the blocks'
     sums (float32 over parts of CDF_PART columns: a part's relative error is about 4e-7, the
     order of the float32 probabilities' own), and what is left of u within that block picks the
-    column by the block's float64 cumulative sums. The block's share of u is clamped below 1, so a rounding difference
-    between a block's sum and its cumulative sums can never step past its last non-zero weight."""
-    n, v = weights.shape
+    column by the block's float64 cumulative sums. The block's share of u is clamped below 1, so
+    a rounding difference between a block's sum and its cumulative sums can never step past its
+    last non-zero weight."""
+    v = weights.shape[1]
     block_cdf = _block_sums(weights).cumsum(dim=1)  # [N, blocks]
     target = u * block_cdf[:, -1]
     block = torch.searchsorted(block_cdf, target[:, None], right=True).clamp_max(block_cdf.shape[1] - 1)
