@@ -83,3 +83,15 @@ def test_to_dict_is_plain_data_with_string_token_keys():
     assert out["outputs"][0]["logprobs"] == [{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "hi"}}]
     assert out["prompt_logprobs"][1] == {"1": {"logprob": -2.0, "rank": None, "decoded_token": None}}
     assert out["finished"] is True and out["error"] is None
+
+
+def test_token_sources_name_a_steps_accepted_drafts_then_the_targets_token():
+    from verispec.outputs import TOKEN_SOURCE_KINDS, token_sources
+
+    assert [s.kind for s in token_sources(1, 0, 0, 7)] == ["sampled"]
+    assert [s.kind for s in token_sources(3, 4, 2, 7)] == ["accepted", "accepted", "recovered"]
+    assert [s.kind for s in token_sources(4, 3, 3, 7)] == ["accepted"] * 3 + ["bonus"]
+    assert [s.kind for s in token_sources(1, 2, 0, 7)] == ["recovered"]  # the first draft was rejected
+    assert {s.step for s in token_sources(4, 3, 3, 7)} == {7}
+    assert set(TOKEN_SOURCE_KINDS) == {"sampled", "accepted", "recovered", "bonus"}
+    assert {s.drafts for s in token_sources(3, 4, 2, 7)} == {4}

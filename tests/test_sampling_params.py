@@ -64,6 +64,8 @@ INVALID = [
     (dict(logprob_token_ids=[-1]), "logprob_token_ids"),
     (dict(logprob_token_ids=[1, 2, 3], logprobs=2), "logprobs"),
     (dict(logprobs_mode="raw_logrobs"), "logprobs_mode"),
+    (dict(speculative=0), "speculative"),
+    (dict(return_token_sources="yes"), "return_token_sources"),
 ]
 
 

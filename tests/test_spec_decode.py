@@ -329,3 +329,50 @@ def test_smollm2_ngram_greedy_and_logprobs_equal_non_speculative(smollm2_path):
     base, spec, stats = run_with_and_without(smollm2_path, prompts, params, spec_cfg, max_num_batched_tokens=64)
     assert stats["num_accepted_tokens"] > 10 and stats["mean_acceptance_length"] > 1.3
     assert_same_logprobs(base, spec)
+
+
+def _runs(sources) -> list[list[str]]:
+    """The kinds of each step's tokens, step by step."""
+    steps: dict[int, list[str]] = {}
+    for s in sources:
+        steps.setdefault(s.step, []).append(s.kind)
+    return [steps[k] for k in sorted(steps)]
+
+
+def test_token_sources_account_for_every_token_and_every_accepted_draft(tiny_llama):
+    prompts = repetitive_prompts(4, seed=31)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, return_token_sources=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = LLM(tiny_llama, speculative_config=spec, block_size=4)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.stats()
+    accepted = 0
+    for o in outs:
+        comp = o.outputs[0]
+        assert len(comp.token_sources) == len(comp.token_ids)
+        for run in _runs(comp.token_sources):
+            # A step emits its accepted drafts, then one token of the target's; or one sampled token.
+            if run == ["sampled"]:
+                continue
+            *drafts, last = run
+            assert set(drafts) <= {"accepted"} and last in ("recovered", "bonus"), run
+            accepted += len(drafts)
+    assert accepted == stats["num_accepted_tokens"] > 0
+    kinds = {s.kind for o in outs for s in o.outputs[0].token_sources}
+    assert {"accepted", "bonus"} <= kinds  # a random model's loops: whole drafts land too
+
+
+def test_a_request_that_opts_out_of_speculation_gets_no_drafts_and_the_same_tokens(tiny_llama):
+    prompts = repetitive_prompts(3, seed=32)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = LLM(tiny_llama, speculative_config=spec, block_size=4)
+    on = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, return_token_sources=True)
+    off = replace(on, speculative=False)
+    with_drafts = llm.generate(prompts, on, use_tqdm=False)
+    before = llm.stats()["num_draft_tokens"]
+    without = llm.generate(prompts, off, use_tqdm=False)
+    assert llm.stats()["num_draft_tokens"] == before
+    assert [o.outputs[0].token_ids for o in without] == [o.outputs[0].token_ids for o in with_drafts]
+    assert all(s.kind == "sampled" for o in without for s in o.outputs[0].token_sources)
+    assert LLM(tiny_llama).generate(prompts[:1], replace(on, return_token_sources=False),
+                                    use_tqdm=False)[0].outputs[0].token_sources is None

@@ -22,6 +22,29 @@ class Logprob:
 
 
 @dataclass(slots=True)
+class TokenSource:
+    """How one output token was produced (`SamplingParams.return_token_sources`)."""
+
+    kind: str  # see TOKEN_SOURCE_KINDS
+    step: int  # the engine step that emitted it (LLMEngine.num_steps, from 1)
+    drafts: int = 0  # drafts the step verified for the request (0: none, the token was sampled)
+
+
+# sampled: a step that verified no draft for the request; accepted: a draft the target kept;
+# recovered: the target's own token where a draft was rejected; bonus: the token after a step's
+# drafts were all accepted.
+TOKEN_SOURCE_KINDS = ("sampled", "accepted", "recovered", "bonus")
+
+
+def token_sources(num_emitted: int, num_verified: int, num_accepted: int, step: int) -> list[TokenSource]:
+    """The sources of a step's emitted tokens: its accepted drafts, then one more token."""
+    if num_verified == 0:
+        return [TokenSource("sampled", step)] * num_emitted
+    last = "bonus" if num_accepted == num_verified else "recovered"
+    return [TokenSource("accepted", step, num_verified)] * num_accepted + [TokenSource(last, step, num_verified)]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -30,6 +53,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_sources: list[TokenSource] | None = None  # one per token id, when asked for
 
 
 @dataclass(slots=True)
@@ -68,7 +92,7 @@ class RequestOutput:
 
     def to_dict(self) -> dict[str, Any]:
         def conv(obj):
-            if isinstance(obj, (Logprob, CompletionOutput, RequestOutput)):
+            if isinstance(obj, (Logprob, TokenSource, CompletionOutput, RequestOutput)):
                 return {f.name: conv(getattr(obj, f.name)) for f in fields(obj)}
             if isinstance(obj, dict):
                 return {str(k): conv(v) for k, v in obj.items()}

@@ -64,6 +64,7 @@ class Request:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Any]] | None = None
     prompt_logprobs: list[dict[int, Any] | None] | None = None
+    token_sources: list[Any] | None = None  # outputs.TokenSource per output token, when asked for
     num_prompt_logprob_rows: int = 0  # prompt positions whose logprobs are done
     # Drafts proposed for the next step (verified, never trusted): values, or PLACEHOLDERs
     # (spec_decode/metadata.py) that a model drafter fills inside the step.

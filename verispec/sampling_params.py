@@ -123,6 +123,11 @@ class SamplingParams:
     cache_salt: str | None = None
     # A grammar the output must follow: StructuredOutputsParams, or a dict of its fields.
     structured_outputs: StructuredOutputsParams | dict | None = None
+    # False: the engine's drafter proposes nothing for this request (plain decoding, same output).
+    speculative: bool = True
+    # True: each output token says how speculation produced it (CompletionOutput.token_sources).
+    return_token_sources: bool = False
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -217,6 +222,9 @@ class SamplingParams:
             self.logprob_token_ids = ids
         if self.logprobs_mode is not None:
             self.logprobs_mode = LogprobsMode.parse(self.logprobs_mode)
+        for name in ("speculative", "return_token_sources"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {_brief(getattr(self, name))}")
 
     @staticmethod
     def _int_list(name: str, value: object, lo: int) -> list[int]:

@@ -97,12 +97,13 @@ class DeltaTracker:
             new_ids = comp.token_ids[sent:]
             if not new_ids and not done and safe == prog.chars[i]:
                 continue
-            rows = None
+            rows = sources = None
             if comp.logprobs is not None:
                 rows = [logprob_row(e) for e in comp.logprobs[sent : len(comp.token_ids)]]
-            completions.append(
-                CompletionDelta(i, new_ids, comp.text[prog.chars[i] : safe], rows, comp.finish_reason, comp.stop_reason)
-            )
+            if comp.token_sources is not None:
+                sources = [(s.kind, s.step, s.drafts) for s in comp.token_sources[sent : len(comp.token_ids)]]
+            completions.append(CompletionDelta(i, new_ids, comp.text[prog.chars[i] : safe], rows, comp.finish_reason,
+                                               comp.stop_reason, sources))
             prog.tokens[i] = len(comp.token_ids)
             prog.chars[i] = max(prog.chars[i], safe)
             prog.finished[i] = done

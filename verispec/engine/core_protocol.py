@@ -113,6 +113,7 @@ class CompletionDelta(msgspec.Struct, array_like=True):
     logprobs: list[LogprobRow] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sources: list[tuple[str, int, int]] | None = None  # (kind, step, drafts) per token: outputs.TokenSource
 
 
 class RequestDelta(msgspec.Struct, array_like=True):

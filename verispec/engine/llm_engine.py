@@ -199,6 +199,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 bad_words_token_ids=bad_words,
                 logprobs=[] if wants_logprobs else None,
+                token_sources=[] if params.return_token_sources else None,
                 # Every child shares the prompt: only the first one scores it.
                 prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
                 # The others wait for the first to cache the prompt, then hit it.
@@ -306,7 +307,7 @@ class LLMEngine:
         self.num_steps += 1
         result, failed = execute_isolating_failures(self.runner, sched)
         errored = self._fail_requests(sched, failed)
-        emitted = self.output.process_step(sched, result, skip=errored)
+        emitted = self.output.process_step(sched, result, skip=errored, step=self.num_steps)
         self.scheduler.update_from_output(sched, result, skip=errored)
         for req in emitted:  # a grammar that refused a token fails its request now, not its next step
             if req.grammar is not None and not req.is_finished and (error := req.grammar.error()):

@@ -9,7 +9,7 @@ import numpy as np
 from tokenizers.decoders import DecodeStream
 
 from verispec.request import Request, RequestStatus
-from verispec.outputs import CompletionOutput, Logprob, LogprobsLists
+from verispec.outputs import CompletionOutput, Logprob, LogprobsLists, token_sources
 
 if TYPE_CHECKING:
     from verispec.engine.step import SchedulerOutput, StepResult
@@ -79,9 +79,11 @@ class OutputProcessor:
         return out
 
     # ------------------------------------------------------------------ one step
-    def process_step(self, sched: "SchedulerOutput", result: "StepResult", skip: set[str] = frozenset()) -> list[Request]:
+    def process_step(self, sched: "SchedulerOutput", result: "StepResult", skip: set[str] = frozenset(),
+                     step: int = 0) -> list[Request]:
         """Appends one step's prompt logprobs and tokens to its requests (except those in `skip`),
-        checks stops and advances each request's grammar. Returns the requests that emitted tokens."""
+        checks stops and advances each request's grammar. Returns the requests that emitted tokens.
+        `step` numbers the step for the token sources of requests that asked for them."""
         emitted = []
         for s in sched.scheduled:
             req = s.request
@@ -97,6 +99,9 @@ class OutputProcessor:
             if record.sampled:
                 before = req.num_tokens
                 self.append_tokens(req, record.sampled, record.logprobs)
+                if req.token_sources is not None:  # as many as append_tokens kept (a stop cuts)
+                    sources = token_sources(len(record.sampled), record.num_verified, record.num_accepted, step)
+                    req.token_sources.extend(sources[: req.num_tokens - before])
                 if req.grammar is not None:
                     req.grammar.advance(req.token_ids[before:])
                 emitted.append(req)
@@ -195,4 +200,5 @@ class OutputProcessor:
             logprobs=req.logprobs,
             finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason if finished else None,
+            token_sources=list(req.token_sources) if req.token_sources is not None else None,
         )

@@ -50,8 +50,8 @@ def needs_token_values(req: Request) -> bool:
 
 def draft_room(req: Request, k: int, max_model_len: int) -> int:
     """Drafts a decoding request may carry: never more than it could still emit."""
-    if req.num_tokens - req.num_computed_tokens != 1:
-        return 0  # still prefilling: nothing to speculate on yet
+    if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculative:
+        return 0  # still prefilling (nothing to speculate on yet), or the request opted out
     return max(0, min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens, k))
 
 

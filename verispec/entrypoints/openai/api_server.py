@@ -26,6 +26,7 @@ from verispec.entrypoints.openai.admin import add_control_routes
 from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
 from verispec.entrypoints.openai.preprocess import PendingWork
 from verispec.entrypoints.openai.metrics import ServerMetrics
+from verispec.entrypoints.openai.playground import add_playground_routes, playground_config
 from verispec.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
     DetokenizeResponse, ErrorResponse, HealthResponse, ModelCard, ModelList, ReplicaHealth, TokenizeRequest,
@@ -269,6 +270,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         return Response(status_code=200)
 
     add_control_routes(app, check_api_key, _ctx, _admit)
+    add_playground_routes(app, playground_config(config.engine, config.model_name(), config.api_key is not None))
     tokenizer_auth = [] if config.open_tokenizer_routes else [Depends(check_api_key)]
 
     def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> list[int]:

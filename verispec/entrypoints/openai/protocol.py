@@ -114,6 +114,12 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # How each token came about (docs/server.md, "Token ids and token sources").
+    speculative: bool = Field(default=True, description="false: no drafts for this request (plain decoding)")
+    return_token_ids: bool = Field(default=False, description="the prompt's and each choice's token ids")
+    return_token_sources: bool = Field(
+        default=False, description="per output token: sampled, accepted (draft), recovered or bonus, and its step"
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -220,6 +226,16 @@ class CompletionLogprobs(_Model):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class TokenSource(_Model):
+    """How an output token came about: a step without drafts (sampled), a draft the target
+    accepted, the target's token where a draft was rejected (recovered), or the token after a step
+    whose drafts were all accepted (bonus)."""
+
+    kind: Literal["sampled", "accepted", "recovered", "bonus"]
+    step: int = Field(description="the engine step that emitted it")
+    drafts: int = Field(description="drafts that step verified for this request")
+
+
 class CompletionChoice(_Model):
     index: int
     text: str
@@ -227,6 +243,10 @@ class CompletionChoice(_Model):
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # With return_token_ids / return_token_sources (in a stream: this chunk's tokens; the prompt's ids once).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    token_sources: list[TokenSource] | None = None
 
 
 class CompletionResponse(_Model):
@@ -266,6 +286,8 @@ class ChatChoice(_Model):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # as in CompletionChoice
+    token_sources: list[TokenSource] | None = None
 
 
 class ChatCompletionResponse(_Model):
@@ -277,6 +299,7 @@ class ChatCompletionResponse(_Model):
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     weight_version: int | str | None = None  # as in CompletionResponse
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class DeltaMessage(_Model):
@@ -291,6 +314,8 @@ class ChatStreamChoice(_Model):
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # as in CompletionChoice
+    token_sources: list[TokenSource] | None = None
 
 
 class ChatCompletionChunk(_Model):
@@ -301,6 +326,7 @@ class ChatCompletionChunk(_Model):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     weight_version: int | str | None = None  # as in CompletionResponse; on chunks made from the engine's output
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, on the first chunk
 
 
 class ModelCard(_Model):

@@ -18,7 +18,7 @@ from verispec.engine.core_protocol import LogprobRow, RequestDelta
 from verispec.engine.dp_client import DPEngineClient
 from verispec.entrypoints.openai.metrics import ServerMetrics
 from verispec.entrypoints.openai.errors import RequestError
-from verispec.entrypoints.openai.protocol import PromptLogprob, UsageInfo
+from verispec.entrypoints.openai.protocol import PromptLogprob, TokenSource, UsageInfo
 from verispec.config import GrammarLimits
 from verispec.entrypoints.openai.preprocess import PendingWork, Preprocessor
 from verispec.sample.grammar import GrammarCompiler, GrammarError
@@ -33,7 +33,7 @@ _PASSTHROUGH = (
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
     "allowed_token_ids", "bad_words", "logprobs_mode", "logprob_token_ids", "seed", "n", "stop",
-    "cache_salt",
+    "cache_salt", "speculative", "return_token_sources",
 )
 
 
@@ -203,6 +203,16 @@ def sampling_params(ctx: ServingContext, req, *, max_tokens: int | None, logprob
     return params
 
 
+def token_extras(req, token_ids: list[int], sources: list[tuple[str, int, int]] | None) -> dict:
+    """A choice's `token_ids` and `token_sources`, where the request asked for them."""
+    out: dict = {}
+    if req.return_token_ids:
+        out["token_ids"] = list(token_ids)
+    if req.return_token_sources:
+        out["token_sources"] = [TokenSource(kind=k, step=s, drafts=d) for k, s, d in sources or ()]
+    return out
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -215,12 +225,15 @@ class ChoiceState:
     rows: list[LogprobRow] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    sources: list[tuple[str, int, int]] = field(default_factory=list)
 
     def add(self, delta) -> None:
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         if delta.logprobs:
             self.rows.extend(delta.logprobs)
+        if delta.sources:
+            self.sources.extend(delta.sources)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason

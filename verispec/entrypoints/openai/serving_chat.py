@@ -16,7 +16,7 @@ from verispec.entrypoints.openai.protocol import (
 from verispec.entrypoints.openai.tools import forces_tools, tool_calls, tool_schema
 from verispec.entrypoints.openai.serving import (
     RequestError, ServingContext, collect, error_json, grammar_field, json_float, new_id, prompt_logprobs_json,
-    sampling_params, sse, stream_request, usage,
+    sampling_params, sse, stream_request, token_extras, usage,
 )
 
 
@@ -119,11 +119,12 @@ async def create_chat(ctx: ServingContext, req: ChatCompletionRequest, prepared)
         choices.append(ChatChoice(
             index=i, message=message,
             logprobs=chat_logprobs(ctx, c.rows, k, req.logprob_token_ids) if _shows_logprobs(req) else None,
-            finish_reason=reason, stop_reason=c.stop_reason,
+            finish_reason=reason, stop_reason=c.stop_reason, **token_extras(req, c.token_ids, c.sources),
         ))
     return ChatCompletionResponse(
         id=request_id, model=ctx.model_name, choices=choices, usage=usage([result]), weight_version=result.weight_version,
         prompt_logprobs=prompt_logprobs_json(result.prompt_rows) if req.prompt_logprobs is not None else None,
+        prompt_token_ids=ids if req.return_token_ids else None,
     )
 
 
@@ -146,13 +147,14 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int
 
     version = None  # the engine's, from its first output on
 
-    def chunk(choices: list[ChatStreamChoice], use: UsageInfo | None = None) -> str:
+    def chunk(choices: list[ChatStreamChoice], use: UsageInfo | None = None, prompt_ids=None) -> str:
         body = ChatCompletionChunk(id=request_id, created=created, model=ctx.model_name, choices=choices, usage=use,
-                                   weight_version=version)
+                                   weight_version=version, prompt_token_ids=prompt_ids)
         return sse(body.model_dump_json())
 
     for i in range(params.n):
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    prompt_ids=ids if req.return_token_ids and i == 0 else None)
     completion_tokens = 0
     # Forced tool calls go out whole, once each answer is complete: arguments arrive as one delta.
     held = [""] * params.n if forces_tools(req) else None
@@ -170,11 +172,12 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, ids: list[int
                     if reason is not None:
                         message, reason = _answer(req, held[comp.index], reason)
                         text, calls = message.content or "", message.tool_calls
-                if text or lp is not None or reason is not None:
+                extras = token_extras(req, comp.token_ids, comp.sources) if comp.token_ids else {}
+                if text or lp is not None or reason is not None or extras:
                     tool_deltas = [DeltaToolCall(index=j, **c.model_dump()) for j, c in enumerate(calls or [])]
                     yield chunk([ChatStreamChoice(
                         index=comp.index, delta=DeltaMessage(content=text or None, tool_calls=tool_deltas or None),
-                        logprobs=lp, finish_reason=reason, stop_reason=comp.stop_reason,
+                        logprobs=lp, finish_reason=reason, stop_reason=comp.stop_reason, **extras,
                     )])
     except Exception as exc:  # noqa: BLE001 - after the headers went out, errors travel as an event
         yield sse(error_json(exc))

@@ -18,7 +18,7 @@ from verispec.entrypoints.openai.protocol import (
 )
 from verispec.entrypoints.openai.serving import (
     ChoiceState, PromptResult, RequestError, ServingContext, collect_all, error_json, grammar_field, json_float, new_id,
-    prompt_logprobs_json, sampling_params, sse, stream_request, usage,
+    prompt_logprobs_json, sampling_params, sse, stream_request, token_extras, usage,
 )
 
 
@@ -138,6 +138,8 @@ def _choice(ctx: ServingContext, req: CompletionRequest, index: int, prompt_text
         finish_reason="length" if prompt_only else choice.finish_reason,
         stop_reason=None if prompt_only else choice.stop_reason,
         prompt_logprobs=prompt_logprobs_json(result.prompt_rows) if req.prompt_logprobs is not None else None,
+        prompt_token_ids=result.prompt_ids if req.return_token_ids else None,
+        **token_extras(req, [] if prompt_only else choice.token_ids, None if prompt_only else choice.sources),
     )
 
 
@@ -177,10 +179,12 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
         finally:
             queue.put_nowait((p, None))
 
-    def chunk(index: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None, stop=None) -> str:
+    def chunk(index: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None, stop=None,
+              **extras) -> str:
         body = CompletionResponse(
             id=request_id, created=created, model=ctx.model_name,
-            choices=[CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop)],
+            choices=[CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop,
+                                      **extras)],
             weight_version=item.weight_version,
         )
         return sse(body.model_dump_json(exclude_unset=False))
@@ -208,7 +212,8 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
                     if wants_lp:
                         lp = CompletionLogprobs()
                         builders[(p, i)].add_prompt(lp, ids, item.prompt_logprobs)
-                    yield chunk(p * params.n + i, echo_text, lp)
+                    yield chunk(p * params.n + i, echo_text, lp,
+                                prompt_token_ids=ids if req.return_token_ids else None)
             num_tokens[p] += sum(len(c.token_ids) for c in item.completions)
             for comp in item.completions:
                 index = p * params.n + comp.index
@@ -221,8 +226,12 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
                     lp = CompletionLogprobs()
                     for row in comp.logprobs:
                         builders[(p, comp.index)].add_row(lp, row)
-                if comp.text or lp is not None or comp.finish_reason is not None:
-                    yield chunk(index, comp.text, lp, comp.finish_reason, comp.stop_reason)
+                extras = token_extras(req, comp.token_ids, comp.sources) if comp.token_ids else {}
+                if not echoed[p] and req.return_token_ids and "token_ids" in extras:
+                    echoed[p] = True  # without echo, the prompt's ids ride on its first tokens
+                    extras["prompt_token_ids"] = ids
+                if comp.text or lp is not None or comp.finish_reason is not None or extras:
+                    yield chunk(index, comp.text, lp, comp.finish_reason, comp.stop_reason, **extras)
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             completion_tokens = 0 if prompt_only else sum(num_tokens)

@@ -1,0 +1,534 @@
+// verispec logprob playground: streams a chat or completion answer from this server's OpenAI routes and
+// shows each token's probability, its alternatives, raw against processed values, and how speculation
+// produced it. Model text is only ever inserted with textContent, never as markup.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const OTHER_MODE = { processed_logprobs: "raw_logprobs", raw_logprobs: "processed_logprobs" };
+const MODE_LABEL = { processed_logprobs: "processed", raw_logprobs: "raw" };
+const SOURCE_TEXT = {
+  sampled: "sampled (no drafts this step)",
+  accepted: "accepted draft",
+  recovered: "recovered (the target's token where a draft was rejected)",
+  bonus: "bonus (every draft of the step was accepted)",
+};
+
+const state = {
+  config: {},
+  promptIds: null, // the prompt's token ids (return_token_ids)
+  tokens: [], // one per output token, see addToken
+  promptTokens: [], // {text, logprob, rank} per prompt position, from the scoring pass
+  mode: "processed_logprobs", // the mode the last answer was coloured by
+  body: null, // the last generation request, as sent
+  abort: null,
+  pinned: null, // index of the token whose popover stays open
+  quiet: null, // index of the token that gets focus back from an open popover (Escape)
+};
+
+// ----------------------------------------------------------------------------------- colour
+// p in [0, 1] -> hue 0 (red) .. 120 (green); docs/server.md states the same formula.
+function tokenColour(p) {
+  const hue = Math.round(120 * Math.min(1, Math.max(0, p)));
+  return `hsl(${hue}, 75%, 80%)`;
+}
+
+function band(p) {
+  return p >= 0.5 ? "band-high" : p >= 0.1 ? "band-mid" : "band-low";
+}
+
+function shown(text) {
+  // Whitespace made visible in the popover (the token itself keeps its text).
+  return text.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5");
+}
+
+function fmt(x, digits = 4) {
+  return x === null || x === undefined ? "-" : Number(x).toFixed(digits);
+}
+
+// ----------------------------------------------------------------------------------- requests
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+async function postJSON(path, body) {
+  const resp = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body) });
+  const data = await resp.json().catch(() => ({}));
+  if (!resp.ok) throw new Error(data.error ? `${resp.status} ${data.error.message}` : `HTTP ${resp.status}`);
+  return data;
+}
+
+// Server-sent events from a streaming POST: calls onEvent with each parsed JSON payload.
+async function streamSSE(path, body, onEvent, signal) {
+  const resp = await fetch(path, { method: "POST", headers: headers(), body: JSON.stringify(body), signal });
+  if (!resp.ok) {
+    const data = await resp.json().catch(() => ({}));
+    throw new Error(data.error ? `${resp.status} ${data.error.message}` : `HTTP ${resp.status}`);
+  }
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const payload = line.slice(6);
+        if (payload === "[DONE]") return;
+        const data = JSON.parse(payload);
+        if (data.error) throw new Error(data.error.message);
+        onEvent(data);
+      }
+    }
+  }
+}
+
+function readControls() {
+  const num = (id) => ($(id).value === "" ? null : Number($(id).value));
+  const body = {
+    temperature: num("temperature"), top_p: num("top_p"), top_k: num("top_k"), min_p: num("min_p"),
+    max_tokens: num("max_tokens"), logprobs_mode: $("logprobs_mode").value,
+    speculative: $("speculative").checked, return_token_ids: true, return_token_sources: true, stream: true,
+  };
+  if (num("seed") !== null) body.seed = num("seed");
+  const extra = $("extra").value.trim();
+  if (extra) {
+    let parsed;
+    try { parsed = JSON.parse(extra); } catch (e) { throw new Error(`extra request fields: ${e.message}`); }
+    if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) {
+      throw new Error("extra request fields: a JSON object is expected");
+    }
+    Object.assign(body, parsed);
+  }
+  return body;
+}
+
+function generationRequest(mode) {
+  const body = readControls();
+  const k = Math.max(1, Math.min(20, Number($("top_logprobs").value) || 5));
+  if (mode === "chat") {
+    const messages = [];
+    if ($("system").value.trim()) messages.push({ role: "system", content: $("system").value });
+    messages.push({ role: "user", content: $("prompt").value });
+    return ["/v1/chat/completions", { ...body, messages, logprobs: true, top_logprobs: k }];
+  }
+  return ["/v1/completions", { ...body, prompt: $("prompt").value, logprobs: k }];
+}
+
+// ----------------------------------------------------------------------------------- chunks
+// One chunk's choice -> tokens: {id, text, logprob, top: [{token, logprob}], source}.
+function chunkTokens(chunk) {
+  const choice = chunk.choices && chunk.choices[0];
+  if (!choice) return [];
+  const ids = choice.token_ids || [];
+  const sources = choice.token_sources || [];
+  let entries = [];
+  if (choice.logprobs && choice.logprobs.content) { // chat
+    entries = choice.logprobs.content.map((e) => ({
+      text: e.token, logprob: e.logprob, top: e.top_logprobs.map((t) => ({ token: t.token, logprob: t.logprob })),
+    }));
+  } else if (choice.logprobs && choice.logprobs.tokens) { // completion
+    const lp = choice.logprobs;
+    entries = lp.tokens.map((text, i) => ({
+      text, logprob: lp.token_logprobs[i],
+      top: Object.entries(lp.top_logprobs[i] || {}).map(([token, logprob]) => ({ token, logprob }))
+        .sort((a, b) => b.logprob - a.logprob),
+    }));
+  }
+  return ids.map((id, i) => ({ id, ...(entries[i] || { text: "", logprob: null, top: [] }), source: sources[i] || null }));
+}
+
+function onChunk(chunk) {
+  if (chunk.prompt_token_ids && state.promptIds === null) state.promptIds = chunk.prompt_token_ids;
+  const choice = chunk.choices && chunk.choices[0];
+  if (choice && choice.prompt_token_ids && state.promptIds === null) state.promptIds = choice.prompt_token_ids;
+  for (const tok of chunkTokens(chunk)) addToken(tok);
+}
+
+// ----------------------------------------------------------------------------------- rendering
+function addToken(tok) {
+  const index = state.tokens.length;
+  const prev = state.tokens[index - 1];
+  tok.other = null; // the other mode's values, from the scoring pass
+  tok.rank = null;
+  tok.altIds = null; // alternative text -> token id, from the scoring pass
+  state.tokens.push(tok);
+  const span = document.createElement("span");
+  span.className = "tok";
+  span.textContent = tok.text;
+  span.tabIndex = 0;
+  span.setAttribute("role", "listitem");
+  span.dataset.index = String(index);
+  span.dataset.tokenId = String(tok.id);
+  if (tok.logprob !== null && tok.logprob !== undefined) {
+    const p = Math.exp(tok.logprob);
+    span.dataset.logprob = String(tok.logprob);
+    span.dataset.p = String(p);
+    span.style.backgroundColor = tokenColour(p);
+    span.classList.add(band(p));
+  } else {
+    span.classList.add("no-logprob");
+  }
+  if (tok.source) {
+    span.dataset.source = tok.source.kind;
+    span.dataset.step = String(tok.source.step);
+    if (tok.source.kind === "accepted") span.classList.add("src-accepted");
+    if (!prev || !prev.source || prev.source.step !== tok.source.step) span.classList.add("step-start");
+  }
+  if (tok.user) span.classList.add("src-user");
+  span.setAttribute("aria-label", ariaLabel(tok));
+  $("tokens").appendChild(span);
+}
+
+function ariaLabel(tok) {
+  const p = tok.logprob === null || tok.logprob === undefined ? "no logprob" : `${(100 * Math.exp(tok.logprob)).toFixed(1)} percent`;
+  const src = tok.user ? ", chosen by you" : tok.source ? `, ${tok.source.kind}` : "";
+  return `${JSON.stringify(tok.text)}, ${p}${src}`;
+}
+
+function renderStats() {
+  const toks = state.tokens.filter((t) => t.source);
+  const steps = new Map();
+  for (const t of toks) {
+    const s = steps.get(t.source.step) || { drafts: t.source.drafts, accepted: 0, emitted: 0 };
+    s.emitted += 1;
+    if (t.source.kind === "accepted") s.accepted += 1;
+    steps.set(t.source.step, s);
+  }
+  const drafted = [...steps.values()].filter((s) => s.drafts > 0);
+  const accepted = drafted.reduce((a, s) => a + s.accepted, 0);
+  const proposed = drafted.reduce((a, s) => a + s.drafts, 0);
+  let text = `${state.tokens.length} tokens in ${steps.size} steps`;
+  if (drafted.length) {
+    const length = (accepted + drafted.length) / drafted.length;
+    text += ` \u00b7 ${drafted.length} drafted steps \u00b7 ${accepted} of ${proposed} drafts accepted ` +
+      `(acceptance rate ${(100 * accepted / proposed).toFixed(1)}%) \u00b7 mean acceptance length ${length.toFixed(2)}`;
+  } else if (state.tokens.length) {
+    text += " \u00b7 no drafts";
+  }
+  $("stats").textContent = text;
+  $("stats").dataset.accepted = String(accepted);
+  $("stats").dataset.drafted = String(proposed);
+}
+
+function renderPrompt() {
+  const box = $("prompt-tokens");
+  box.replaceChildren();
+  box.hidden = !$("show_prompt").checked || !state.promptTokens.length;
+  for (const [i, t] of state.promptTokens.entries()) {
+    const span = document.createElement("span");
+    span.className = "tok prompt-tok";
+    span.textContent = t.text;
+    span.dataset.index = String(i);
+    if (t.logprob === null) {
+      span.classList.add("no-logprob");
+      span.title = "the first token has no logprob";
+    } else {
+      const p = Math.exp(t.logprob);
+      span.dataset.logprob = String(t.logprob);
+      span.style.backgroundColor = tokenColour(p);
+      span.classList.add(band(p));
+      span.title = `p=${fmt(p)} logprob=${fmt(t.logprob)} rank=${t.rank}`;
+    }
+    box.appendChild(span);
+  }
+}
+
+// ----------------------------------------------------------------------------------- popover
+function cell(row, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  row.appendChild(td);
+  return td;
+}
+
+function stepSummary(index) {
+  const tok = state.tokens[index];
+  if (!tok.source) return tok.user ? "chosen by you" : "";
+  const same = state.tokens.filter((t) => t.source && t.source.step === tok.source.step);
+  const accepted = same.filter((t) => t.source.kind === "accepted").length;
+  const base = `${SOURCE_TEXT[tok.source.kind]} \u00b7 step ${tok.source.step}`;
+  if (!tok.source.drafts) return base;
+  return `${base}: ${accepted} of ${tok.source.drafts} drafts accepted, ${same.length} tokens (acceptance length ${same.length})`;
+}
+
+function showPopover(index, focusFirst) {
+  const tok = state.tokens[index];
+  const span = $("tokens").children[index];
+  const pop = $("popover");
+  pop.replaceChildren();
+  pop.dataset.index = String(index);
+  const mode = MODE_LABEL[state.mode];
+  const other = MODE_LABEL[OTHER_MODE[state.mode]];
+  const h = document.createElement("h2");
+  const code = document.createElement("code");
+  code.textContent = shown(tok.text);
+  h.append("Token ", code, ` (id ${tok.id})`);
+  pop.appendChild(h);
+  const info = document.createElement("p");
+  const p = tok.logprob === null ? null : Math.exp(tok.logprob);
+  const rank = tok.rank !== null ? tok.rank : derivedRank(tok);
+  info.textContent = `p = ${fmt(p)} \u00b7 ${mode} logprob ${fmt(tok.logprob)} \u00b7 ${other} logprob ` +
+    `${tok.other ? fmt(tok.other.logprob) : "\u2026"} \u00b7 rank ${rank}`;
+  info.className = "summary";
+  pop.appendChild(info);
+  const src = document.createElement("p");
+  src.className = "source";
+  src.textContent = stepSummary(index);
+  pop.appendChild(src);
+  pop.appendChild(alternativesTable(index, tok, mode, other));
+  pop.hidden = false;
+  const r = span.getBoundingClientRect();
+  pop.style.left = `${Math.max(8, Math.min(window.scrollX + r.left, window.scrollX + document.documentElement.clientWidth - pop.offsetWidth - 8))}px`;
+  pop.style.top = `${window.scrollY + r.bottom + 6}px`;
+  if (focusFirst) {
+    const first = pop.querySelector("button");
+    if (first) first.focus();
+  }
+}
+
+function derivedRank(tok) {
+  const i = tok.top.findIndex((t) => t.token === tok.text && t.logprob === tok.logprob);
+  return i >= 0 ? String(i + 1) : `> ${tok.top.length}`;
+}
+
+function alternativesTable(index, tok, mode, other) {
+  const table = document.createElement("table");
+  const head = table.createTHead().insertRow();
+  for (const t of ["rank", "token", "p", `${mode} logprob`, `${other} logprob`, ""]) {
+    const th = document.createElement("th");
+    th.textContent = t;
+    head.appendChild(th);
+  }
+  const body = table.createTBody();
+  tok.top.forEach((alt, j) => {
+    const row = body.insertRow();
+    row.className = "alt-row";
+    row.dataset.token = alt.token;
+    row.dataset.logprob = String(alt.logprob);
+    if (alt.token === tok.text && alt.logprob === tok.logprob) row.classList.add("sampled");
+    cell(row, String(j + 1), "num");
+    const c = cell(row, "");
+    const code = document.createElement("code");
+    code.textContent = shown(alt.token);
+    c.appendChild(code);
+    cell(row, fmt(Math.exp(alt.logprob)), "num");
+    cell(row, fmt(alt.logprob), "num");
+    const otherLp = tok.other && tok.altIds ? tok.other.byText.get(alt.token) : undefined;
+    cell(row, otherLp === undefined ? "\u2026" : fmt(otherLp), "num");
+    const td = cell(row, "");
+    const id = tok.altIds ? tok.altIds.get(alt.token) : undefined;
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "alt";
+    button.textContent = "continue";
+    button.setAttribute("aria-label", `Continue from here with ${JSON.stringify(alt.token)}`);
+    button.disabled = id === undefined || state.abort !== null;
+    button.addEventListener("click", () => continueWith(index, id, alt));
+    td.appendChild(button);
+  });
+  return table;
+}
+
+function hidePopover() {
+  $("popover").hidden = true;
+  state.pinned = null;
+}
+
+function tokenEvents() {
+  const box = $("tokens");
+  const indexOf = (el) => (el && el.classList && el.classList.contains("tok") ? Number(el.dataset.index) : null);
+  box.addEventListener("mouseover", (e) => { const i = indexOf(e.target); if (i !== null && state.pinned === null) showPopover(i, false); });
+  box.addEventListener("focusin", (e) => {
+    const i = indexOf(e.target);
+    if (i === null) return;
+    if (state.quiet === i) { state.quiet = null; return; } // focus given back by Escape: stays closed
+    showPopover(i, false);
+  });
+  box.addEventListener("click", (e) => {
+    const i = indexOf(e.target);
+    if (i === null) return;
+    state.pinned = state.pinned === i ? null : i; // a tap pins (or unpins) the popover
+    showPopover(i, false);
+  });
+  box.addEventListener("keydown", (e) => {
+    const i = indexOf(e.target);
+    if (i === null) return;
+    const move = { ArrowRight: 1, ArrowLeft: -1 }[e.key];
+    if (move) {
+      const next = box.children[i + move];
+      if (next) next.focus();
+      e.preventDefault();
+    } else if (e.key === "Enter" || e.key === " ") {
+      state.pinned = i;
+      showPopover(i, true);
+      e.preventDefault();
+    } else if (e.key === "Escape") {
+      hidePopover();
+    }
+  });
+  $("popover").addEventListener("keydown", (e) => {
+    if (e.key !== "Escape") return;
+    const i = Number($("popover").dataset.index);
+    hidePopover();
+    state.quiet = i;
+    box.children[i].focus();
+  });
+  document.addEventListener("click", (e) => {
+    if (state.pinned !== null && !$("popover").contains(e.target) && !box.contains(e.target)) hidePopover();
+  });
+}
+
+// ----------------------------------------------------------------------------------- scoring
+// After an answer: the prompt and the answer scored as one prompt (max_tokens 0, prompt_logprobs), in
+// the other mode (raw against processed, side by side) and, for the prompt's own tokens, in this one.
+// The rows also name each alternative's token id, which continuing from an alternative needs.
+async function scoreRows(mode, k) {
+  const ids = state.promptIds.concat(state.tokens.map((t) => t.id));
+  const body = {
+    prompt: ids, max_tokens: 0, prompt_logprobs: k, logprobs_mode: mode,
+    temperature: state.body.temperature, top_p: state.body.top_p, top_k: state.body.top_k, min_p: state.body.min_p,
+  };
+  const data = await postJSON("/v1/completions", body);
+  return data.choices[0].prompt_logprobs;
+}
+
+function rowEntries(row) {
+  return Object.entries(row || {}).map(([id, v]) => ({ id: Number(id), ...v }));
+}
+
+async function scorePass() {
+  if (state.promptIds === null || !state.tokens.length) return;
+  const k = Math.max(1, Math.min(20, Number($("top_logprobs").value) || 5));
+  const other = await scoreRows(OTHER_MODE[state.mode], k);
+  const offset = state.promptIds.length;
+  state.tokens.forEach((tok, i) => {
+    const entries = rowEntries(other[offset + i]);
+    const own = entries.find((e) => e.id === tok.id);
+    tok.rank = own ? own.rank : null;
+    tok.other = { logprob: own ? own.logprob : null, byText: new Map() };
+    tok.altIds = new Map();
+    for (const e of entries) {
+      if (!tok.other.byText.has(e.decoded_token)) tok.other.byText.set(e.decoded_token, e.logprob);
+      if (!tok.altIds.has(e.decoded_token)) tok.altIds.set(e.decoded_token, e.id);
+    }
+  });
+  if ($("show_prompt").checked) {
+    const rows = await scoreRows(state.mode, 1);
+    state.promptTokens = state.promptIds.map((id, i) => {
+      const own = rowEntries(rows[i]).find((e) => e.id === id);
+      return own ? { text: own.decoded_token, logprob: own.logprob, rank: own.rank } : { text: null, logprob: null, rank: null };
+    });
+    await fillFirstPromptToken();
+  }
+  renderPrompt();
+}
+
+async function fillFirstPromptToken() {
+  // Position 0 has no logprob, so no row names its text: ask the tokenizer route.
+  if (!state.promptTokens.length || state.promptTokens[0].text !== null) return;
+  const data = await postJSON("/detokenize", { tokens: [state.promptIds[0]] });
+  state.promptTokens[0].text = data.prompt;
+}
+
+// ----------------------------------------------------------------------------------- generating
+function setBusy(busy) {
+  $("generate").disabled = busy;
+  $("stop").disabled = !busy;
+  document.body.dataset.state = busy ? "running" : "done";
+}
+
+function showRequest(path, body) {
+  $("last-request").textContent = JSON.stringify({ url: path, body }, null, 2);
+}
+
+async function run(path, body, keep) {
+  $("error").textContent = "";
+  hidePopover();
+  state.tokens = [];
+  state.promptTokens = [];
+  $("tokens").replaceChildren();
+  renderPrompt();
+  state.body = body;
+  state.mode = body.logprobs_mode;
+  showRequest(path, body);
+  for (const tok of keep) addToken(tok);
+  state.abort = new AbortController();
+  setBusy(true);
+  try {
+    await streamSSE(path, body, (chunk) => { onChunk(chunk); renderStats(); }, state.abort.signal);
+    state.abort = null;
+    renderStats();
+    await scorePass();
+  } catch (e) {
+    if (e.name !== "AbortError") $("error").textContent = e.message;
+  } finally {
+    state.abort = null;
+    setBusy(false);
+  }
+}
+
+async function generate() {
+  let path, body;
+  try {
+    [path, body] = generationRequest(document.querySelector("input[name=mode]:checked").value);
+  } catch (e) {
+    $("error").textContent = e.message;
+    return;
+  }
+  state.promptIds = null;
+  await run(path, body, []);
+}
+
+// Continue from an alternative: the prompt, the answer before it and the alternative become a
+// token-id prompt (the prefix cache holds all but the last token), with the same sampling fields.
+async function continueWith(index, id, alt) {
+  if (id === undefined || state.promptIds === null) return;
+  const kept = state.tokens.slice(0, index).map((t) => ({ ...t }));
+  const chosen = { ...state.tokens[index], id, text: alt.token, logprob: alt.logprob, source: null, user: true };
+  const prompt = state.promptIds.concat(kept.map((t) => t.id), [id]);
+  const body = { ...state.body, prompt, logprobs: state.body.top_logprobs || state.body.logprobs };
+  delete body.messages;
+  delete body.top_logprobs;
+  body.max_tokens = Math.max(1, (state.body.max_tokens || 16) - kept.length - 1);
+  // state.promptIds stays the original prompt's: what was kept and chosen are output tokens.
+  await run("/v1/completions", body, kept.concat([chosen]));
+}
+
+function init() {
+  tokenEvents();
+  for (const el of document.querySelectorAll(".legend .tok")) {
+    el.style.backgroundColor = tokenColour(Number(el.dataset.p));
+  }
+  const syncMode = () => {
+    const mode = document.querySelector("input[name=mode]:checked").value;
+    document.body.classList.toggle("mode-completion", mode === "completion");
+  };
+  for (const el of document.querySelectorAll("input[name=mode]")) el.addEventListener("change", syncMode);
+  syncMode();
+  $("api-key").value = sessionStorage.getItem("verispec-api-key") || "";
+  $("api-key").addEventListener("change", () => sessionStorage.setItem("verispec-api-key", $("api-key").value));
+  $("generate").addEventListener("click", generate);
+  $("stop").addEventListener("click", () => state.abort && state.abort.abort());
+  $("show_prompt").addEventListener("change", () => renderPrompt());
+  $("copy").addEventListener("click", () => navigator.clipboard && navigator.clipboard.writeText($("last-request").textContent));
+  $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) generate(); });
+  fetch("/playground/config.json").then((r) => r.json()).then((cfg) => {
+    state.config = cfg;
+    $("model").textContent = cfg.speculative_method
+      ? `${cfg.model} \u00b7 drafter: ${cfg.speculative_method} (k = ${cfg.num_speculative_tokens})`
+      : `${cfg.model} \u00b7 no drafter`;
+    $("speculative").disabled = !cfg.speculative_method;
+    document.body.dataset.state = "ready";
+  });
+}
+
+document.addEventListener("DOMContentLoaded", init);
