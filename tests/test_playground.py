@@ -22,6 +22,8 @@ import pytest
 
 from conftest import make_tiny_checkpoint
 from server_utils import ServerProcess
+from verispec.config import EngineConfig, SpeculativeConfig
+from verispec.entrypoints.openai.playground import STATIC, playground_config
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -54,12 +56,25 @@ def server(tiny_chat_model):
 
 
 # ------------------------------------------------------------------------------------ the route
+def test_the_config_names_the_drafter_and_the_package_holds_every_asset():
+    spec = playground_config(EngineConfig(speculative=SpeculativeConfig.parse(SPEC)), "m", api_key_required=False)
+    assert spec == {"model": "m", "speculative_method": "ngram", "num_speculative_tokens": 4, "api_key_required": False}
+    assert playground_config(EngineConfig(), "m", True)["speculative_method"] is None
+    page = (STATIC / "playground.html").read_text()
+    for name in ("playground.js", "playground-view.js", "playground.css"):
+        assert f"/playground/{name}" in page and (STATIC / name).exists()
+    # No markup from strings anywhere in the page's script: text goes in with textContent.
+    for name in ("playground.js", "playground-view.js"):
+        assert "innerHTML" not in (STATIC / name).read_text() and "insertAdjacentHTML" not in (STATIC / name).read_text()
+
+
 def test_the_page_and_its_assets_are_served_with_a_strict_policy(server):
     page = server.get("/playground", headers={"Authorization": ""})
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     csp = page.headers["content-security-policy"]
     assert "script-src 'self'" in csp and "unsafe-inline" not in csp and "default-src 'none'" in csp
-    for name, kind in (("playground.js", "text/javascript"), ("playground.css", "text/css")):
+    for name, kind in (("playground.js", "text/javascript"), ("playground-view.js", "text/javascript"),
+                       ("playground.css", "text/css")):
         asset = server.get(f"/playground/{name}")
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
     assert server.get("/playground/../api_server.py").status_code == 404
@@ -307,3 +322,21 @@ def test_prompt_tokens_show_their_prompt_logprobs(browser, server):
             el.dataset.logprob === undefined ? null : Number(el.dataset.logprob));""")
     assert len(shown) == len(ids) and shown[0] is None
     assert shown[1:] == [rows[i][str(t)]["logprob"] for i, t in enumerate(ids) if i > 0]
+
+
+def test_chat_streams_the_same_token_ids_and_sources_as_the_whole_answer(server):
+    body = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 24, "temperature": 0,
+            "return_token_ids": True, "return_token_sources": True}
+    whole = server.post("/v1/chat/completions", body).json()
+    events = [json.loads(line[6:]) for line in server.post("/v1/chat/completions", {**body, "stream": True}).text.splitlines()
+              if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"] and len(whole["prompt_token_ids"]) > 3
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert [t for c in choices for t in c.get("token_ids") or []] == whole["choices"][0]["token_ids"]
+    streamed = [s for c in choices for s in c.get("token_sources") or []]
+    # The same kinds; steps count the engine's steps, so the second answer's are later ones.
+    def relative(sources):
+        return [(s["kind"], s["drafts"], s["step"] - sources[0]["step"]) for s in sources]
+    assert relative(streamed) == relative(whole["choices"][0]["token_sources"]) and len(streamed) == 24
+    plain = server.post("/v1/chat/completions", {k: v for k, v in body.items() if not k.startswith("return_")}).json()
+    assert plain["choices"][0].get("token_ids") is None and plain.get("prompt_token_ids") is None

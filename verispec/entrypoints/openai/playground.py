@@ -1,7 +1,7 @@
 """GET /playground: a page that shows every token's probability, its alternatives and how
 speculation produced it (docs/server.md, "The logprob playground").
 
-The page is three static files shipped in the package (`static/`), no build step and nothing
+The page is four static files shipped in the package (`static/`), no build step and nothing
 fetched from elsewhere: it talks to this server's own OpenAI routes, with the API key the user
 types. Its Content-Security-Policy allows only this origin's script and style, so model text
 that spells `<script>` could not run even if it reached the DOM as markup (the page inserts it
@@ -18,7 +18,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from verispec.config import EngineConfig
 
 STATIC = Path(__file__).parent / "static"
-_FILES = {"playground.js": "text/javascript", "playground.css": "text/css"}
+_FILES = {"playground.js": "text/javascript", "playground-view.js": "text/javascript", "playground.css": "text/css"}
 _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
         "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 _HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
@@ -36,7 +36,7 @@ def playground_config(engine: EngineConfig, model_name: str, api_key_required: b
 
 
 def add_playground_routes(app: FastAPI, config: dict) -> None:
-    """The page, its two assets and its config. Reading them changes nothing: no API key."""
+    """The page, its assets and its config. Reading them changes nothing: no API key."""
 
     @app.get("/playground", include_in_schema=False)
     async def playground_page():
