@@ -340,3 +340,17 @@ def test_chat_streams_the_same_token_ids_and_sources_as_the_whole_answer(server)
     assert relative(streamed) == relative(whole["choices"][0]["token_sources"]) and len(streamed) == 24
     plain = server.post("/v1/chat/completions", {k: v for k, v in body.items() if not k.startswith("return_")}).json()
     assert plain["choices"][0].get("token_ids") is None and plain.get("prompt_token_ids") is None
+
+
+def test_a_refused_request_shows_the_servers_message_and_the_first_choice_alone(browser, server):
+    open_page(browser, server, "completion")
+    fill(browser, "temperature", -1)
+    browser.find_element("id", "generate").click()
+    wait_for(browser, lambda: browser.execute_script("return document.body.dataset.state") == "done")
+    assert "400" in browser.find_element("id", "error").text and "temperature" in browser.find_element("id", "error").text
+    fill(browser, "extra", "[1, 2]")
+    browser.find_element("id", "generate").click()
+    assert "a JSON object is expected" in browser.find_element("id", "error").text
+    fill(browser, "extra", json.dumps({"n": 3}))
+    sent = generate(browser, temperature=1.0, seed=5, max_tokens=8)
+    assert [t["id"] for t in tokens(browser)] == replay(server, sent)["token_ids"]

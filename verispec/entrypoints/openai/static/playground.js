@@ -106,7 +106,7 @@ function generationRequest(mode) {
 // One chunk's choice -> tokens: {id, text, logprob, top: [{token, logprob}], source}.
 function chunkTokens(chunk) {
   const choice = chunk.choices && chunk.choices[0];
-  if (!choice) return [];
+  if (!choice || choice.index !== 0) return []; // the page shows the first choice (n > 1 in extra fields)
   const ids = choice.token_ids || [];
   const sources = choice.token_sources || [];
   let entries = [];
