@@ -24,7 +24,9 @@ from test_verify import chi_square
 from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
 from verispec.spec_decode import verify as verify_mod
-from verispec.spec_decode.adaptive import CostModel, admit, choose_budget, top_slots_per_request
+from verispec.spec_decode.adaptive import (
+    GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, admit, choose_budget, top_slots_per_request,
+)
 
 # A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
 # them. Budgets land strictly between "verify nothing" and "verify everything" at every batch size
@@ -378,3 +380,25 @@ def test_profile_times_every_grid_size_and_keeps_the_fastest_run(tiny_llama, mon
     cost = CostModel.profile(Timed(), block_size=16, max_tokens=40, device=torch.device("cpu"))
     assert cost.tokens == [1, 2, 4, 8, 16, 32, 40] and cost.learn
     assert cost.seconds == pytest.approx([1e-3 * n for n in cost.tokens])
+
+
+def test_a_calibration_bucket_averages_its_first_outcomes_with_the_prior_then_moves_as_an_ema():
+    """The prior counts as PRIOR_WEIGHT outcomes while a bucket is young: after n outcomes the
+    estimate is their mean with the prior's pseudo-outcomes, not 0.8 faded by 0.95 ** n."""
+    from types import SimpleNamespace
+
+    from verispec.spec_decode import adaptive as adaptive_mod
+
+    ctl = AdaptiveController(4, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=True)
+    req = SimpleNamespace(params=SimpleNamespace(greedy=False), spec_history=None)
+    outcomes = [1, 0, 0, 1, 0, 0, 0, 1, 0, 0]  # 30 % of first drafts land, in bucket 0.5
+    for accepted in outcomes:
+        ctl.observe(req, 1, accepted, [0.55])
+    w = adaptive_mod.PRIOR_WEIGHT
+    assert ctl.calibrated(0.55, greedy=False) == pytest.approx((w * PRIOR_CONFIDENCE + sum(outcomes)) / (w + len(outcomes)))
+    assert ctl.calibrated(0.55, greedy=True) == PRIOR_CONFIDENCE  # greedy requests keep their own table
+    for _ in range(200):  # an old bucket: each outcome moves it by GLOBAL_EMA of the gap
+        ctl.observe(req, 1, 0, [0.55])
+    before = ctl.calibrated(0.55, greedy=False)
+    ctl.observe(req, 1, 1, [0.55])
+    assert ctl.calibrated(0.55, greedy=False) == pytest.approx(before + GLOBAL_EMA * (1 - before))
