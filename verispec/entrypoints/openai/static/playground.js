@@ -14,7 +14,6 @@ const SOURCE_TEXT = {
 };
 
 const state = {
-  config: {},
   promptIds: null, // the prompt's token ids (return_token_ids)
   tokens: [], // one per output token, see addToken
   promptTokens: [], // {text, logprob, rank} per prompt position, from the scoring pass
@@ -267,7 +266,6 @@ function init() {
   $("copy").addEventListener("click", () => navigator.clipboard && navigator.clipboard.writeText($("last-request").textContent));
   $("prompt").addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) generate(); });
   fetch("/playground/config.json").then((r) => r.json()).then((cfg) => {
-    state.config = cfg;
     $("model").textContent = cfg.speculative_method
       ? `${cfg.model} \u00b7 drafter: ${cfg.speculative_method} (k = ${cfg.num_speculative_tokens})`
       : `${cfg.model} \u00b7 no drafter`;
