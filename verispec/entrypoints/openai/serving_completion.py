@@ -192,7 +192,7 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
     tasks = [asyncio.create_task(pump(p, ids)) for p, (_, ids) in enumerate(prompts)]
     builders = {(p, i): CompletionBuilder(ctx) for p in range(len(prompts)) for i in range(params.n)}
     num_tokens = [0] * len(prompts)
-    echoed = [False] * len(prompts)
+    prompt_sent = [False] * len(prompts)  # the prompt's text (echo) or ids (return_token_ids) went out
     remaining = len(prompts)
     try:
         while remaining:
@@ -204,8 +204,8 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
                 yield sse(error_json(item))
                 break
             text_p, ids = prompts[p]
-            if req.echo and not echoed[p]:
-                echoed[p] = True
+            if req.echo and not prompt_sent[p]:
+                prompt_sent[p] = True
                 echo_text = text_p if text_p is not None else ctx.detokenize(ids)
                 for i in range(params.n):
                     lp = None
@@ -227,8 +227,8 @@ async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
                     for row in comp.logprobs:
                         builders[(p, comp.index)].add_row(lp, row)
                 extras = token_extras(req, comp.token_ids, comp.sources) if comp.token_ids else {}
-                if not echoed[p] and req.return_token_ids and "token_ids" in extras:
-                    echoed[p] = True  # without echo, the prompt's ids ride on its first tokens
+                if not prompt_sent[p] and req.return_token_ids and "token_ids" in extras:
+                    prompt_sent[p] = True  # without echo, the prompt's ids ride on its first tokens
                     extras["prompt_token_ids"] = ids
                 if comp.text or lp is not None or comp.finish_reason is not None or extras:
                     yield chunk(index, comp.text, lp, comp.finish_reason, comp.stop_reason, **extras)
