@@ -72,11 +72,14 @@ SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     "layer_skip": {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3},
     "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
+    # Host drafts with their own probabilities as q: the rejection sampler's q rule on the device.
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4},
 }
 # Adaptive verification: capacities decided on the device, verification in chunks of 3 rows.
 ADAPTIVE = {"adaptive_verification": True, "cost_table": [[1, 1.0], [64, 2.3], [256, 22.0]],
             "max_verify_rows_per_chunk": 3}
-SPECS.update({f"{name}_adaptive": dict(SPECS[name], **ADAPTIVE) for name in ("ngram", "layer_skip", "draft_model")})
+SPECS.update({f"{name}_adaptive": dict(SPECS[name], **ADAPTIVE)
+              for name in ("ngram", "layer_skip", "draft_model", "suffix")})
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -138,7 +141,8 @@ def test_host_values_reach_the_device_through_pinned_copies():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["plain", "ngram_adaptive", "layer_skip_adaptive", "draft_model_adaptive"])
+@pytest.mark.parametrize("name", ["plain", "ngram_adaptive", "layer_skip_adaptive", "draft_model_adaptive", "suffix",
+                                  "suffix_adaptive"])
 def test_cuda_step_passes_sync_debug_mode_error(tiny_llama, monkeypatch, name):
     """On CUDA, the device phase of a step (drafting, forward, verification, scoring) runs under
     torch.cuda.set_sync_debug_mode("error"): any synchronising call raises."""
