@@ -47,17 +47,18 @@ class Fidelity:
 
 def hf_greedy(hf_model: Any, prompt: list[int], max_tokens: int) -> list[int]:
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = hf_model.generate(torch.tensor([prompt], device=hf_model.device),
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf_model.device),
                                 do_sample=False, max_new_tokens=max_tokens,
                                 pad_token_id=hf_model.config.eos_token_id)
     return out[0, len(prompt):].tolist()
 
 
 def hf_logprobs(hf_model: Any, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """[len(completion), vocab]: HF's log-distribution for each completion token."""
+    """[len(completion), vocab], on the CPU: HF's log-distribution for each completion token."""
     with torch.inference_mode():
-        logits = hf_model(input_ids=torch.tensor([prompt + completion[:-1]])).logits[0, len(prompt) - 1:]
-    return torch.log_softmax(logits.double(), dim=-1)
+        logits = hf_model(input_ids=torch.tensor([prompt + completion[:-1]], device=hf_model.device)).logits
+    return torch.log_softmax(logits[0, len(prompt) - 1:].double(), dim=-1).cpu()
 
 
 def verispec_logprobs(model: Any, prompt: list[int], completion: list[int]) -> torch.Tensor:

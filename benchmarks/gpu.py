@@ -1,0 +1,215 @@
+"""The CUDA check's figures: verispec on one GPU, both tiers, with and without drafts, HF beside it.
+
+`python -m benchmarks.gpu [--model FILE] [--out DIR]` (about 4 minutes on one H200). Greedy,
+exactly `--max-tokens` new tokens per prompt (EOS masked by `min_tokens`, as the CPU benchmark's
+rows), median of `--runs` timed runs after one warm-up. Three workloads:
+- chat, batch 1 and 16: the benchmark's sixteen chat questions (benchmarks.prompts);
+- extractive, batch 1: the summary that copies its source, where prompt lookup pays.
+
+Systems: verispec's exact tier (fp32) and fast tier (the GGUF blocks packed for torch's CUDA int4
+kernel, bf16 activations), each plain, with ngram k = 5 and with the suffix drafter; HF
+transformers in bf16 and fp32 on the same GPU (plain, and prompt lookup at batch 1). Then the fast
+tier's fidelity on the GPU against HF fp32 (benchmarks.fidelity: mean KL, top-1 agreement).
+The CPU benchmark (`python -m benchmarks`) stays the place for the CPU targets; this one says what
+the same code does on a GPU, where a step costs launches more than bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.fidelity import measure as measure_fidelity
+from benchmarks.prompts import chat_prompts, extractive_prompt
+from benchmarks.report import _render
+from benchmarks.system import SPEC_K
+
+TIERS = {"exact": "float32", "fast": "auto"}
+DRAFTERS: dict[str, dict | None] = {
+    "plain": None,
+    f"ngram k={SPEC_K}": {"method": "ngram", "num_speculative_tokens": SPEC_K},
+    "suffix": {"method": "suffix"},
+}
+LEARNS_ACROSS_REQUESTS = {"suffix"}
+FIDELITY_SIZE = (8, 64)  # prompts, HF greedy tokens each
+
+
+@dataclass(slots=True)
+class GpuRow:
+    workload: str  # "chat b1", "chat b16", "extractive b1"
+    system: str
+    tok_s: float
+    mean_acceptance_length: float | None = None
+
+
+def workloads(tokenizer: Any) -> dict[str, list[list[int]]]:
+    chats = [p.ids for p in chat_prompts(tokenizer, 16)]
+    return {"chat b1": chats[:1], "chat b16": chats, "extractive b1": [extractive_prompt(tokenizer).ids]}
+
+
+def _timed(run, runs: int) -> float:
+    """Median seconds of `runs` calls of `run` after one warm-up."""
+    run()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def verispec_rows(model: str, tier: str, drafter: str, loads: dict[str, list[list[int]]], max_tokens: int,
+                  runs: int, device: str = "cuda") -> list[GpuRow]:
+    """One row per workload. A drafter that learns across requests (suffix) gets a fresh engine for
+    every timed run, warmed on other prompts: one engine's second run would draft the answers it
+    gave the first time, which measures a rerun, not serving."""
+    from verispec import LLM, SamplingParams
+
+    def engine() -> Any:
+        return LLM(model, device=device, dtype=TIERS[tier], max_num_seqs=16, speculative_config=DRAFTERS[drafter])
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
+    fresh = drafter in LEARNS_ACROSS_REQUESTS
+    llm, rows = None, []
+    for name, prompts in loads.items():
+        others = [p for ps in loads.values() for p in ps if p not in prompts][:4]
+        times, drafts, accepted = [], 0, 0
+        for run in range(runs if fresh else runs + 1):  # a kept engine's run 0 only warms it up
+            if fresh or llm is None:
+                if llm is not None:
+                    llm.shutdown()
+                llm = engine()
+            if fresh or run == 0:
+                llm.generate(others if fresh else prompts, params, use_tqdm=False)
+            if run == 0 and not fresh:
+                continue
+            llm.reset_prefix_cache()  # every run prefills in full
+            before, start = llm.stats(), time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+            after = llm.stats()
+            drafts += after["num_drafts"] - before["num_drafts"]
+            accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        tok_s = len(prompts) * max_tokens / statistics.median(times)
+        rows.append(GpuRow(name, f"verispec {tier} + {drafter}", tok_s, 1 + accepted / drafts if drafts else None))
+    llm.shutdown()
+    return rows
+
+
+def hf_rows(hf: Any, label: str, pad: int, loads: dict[str, list[list[int]]], max_tokens: int,
+            runs: int) -> list[GpuRow]:
+    import torch
+
+    rows = []
+    for name, prompts in loads.items():
+        width = max(map(len, prompts))  # one left-padded batch
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
+        variants = {label: {}}
+        if len(prompts) == 1:
+            variants[f"{label} + prompt lookup k={SPEC_K}"] = {"prompt_lookup_num_tokens": SPEC_K}
+        for system, extra in variants.items():
+            def run() -> None:
+                with torch.inference_mode():
+                    hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, pad_token_id=pad, **extra)
+                if hf.device.type == "cuda":
+                    torch.cuda.synchronize()
+
+            rows.append(GpuRow(name, system, len(prompts) * max_tokens / _timed(run, runs)))
+    return rows
+
+
+def fidelity(model: str, hf_fp32: Any, tokenizer: Any, device: str = "cuda") -> dict[str, Any]:
+    """The fast tier on the GPU against HF fp32 on the GPU, teacher-forced on HF's greedy output."""
+    from verispec import LLM
+
+    count, tokens = FIDELITY_SIZE
+    llm = LLM(model, device=device, dtype="auto", num_kv_blocks=4)
+    fid = measure_fidelity(hf_fp32, llm.engine.model, [p.ids for p in chat_prompts(tokenizer, count)], tokens)
+    llm.shutdown()
+    return fid.as_dict()
+
+
+def format_rows(rows: list[GpuRow], markdown: bool = True) -> str:
+    """One line per (workload, system), with its ratio to verispec exact plain on that workload."""
+    base = {r.workload: r.tok_s for r in rows if r.system == "verispec exact + plain"}
+    body = []
+    for r in rows:
+        ratio = f"{r.tok_s / base[r.workload]:.2f}x" if r.workload in base else "-"
+        acc = f"{r.mean_acceptance_length:.2f}" if r.mean_acceptance_length is not None else "-"
+        body.append([r.workload, r.system, f"{r.tok_s:.1f}", ratio, acc])
+    return _render(["workload", "system", "tok/s", "/ verispec exact plain", "acceptance length"], body, markdown)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2)")
+    p.add_argument("--out", type=Path, default=Path("bench-gpu"), help="where gpu.json and gpu.md go")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help="comma list of %(default)s")
+    p.add_argument("--no-hf", action="store_true", help="verispec's rows only: no HF rows, no fidelity check")
+    args = p.parse_args(argv)
+    args.drafters = [d for d in args.drafters.split(",") if d]
+    if not args.drafters or set(args.drafters) - set(DRAFTERS):
+        p.error(f"--drafters must name some of {list(DRAFTERS)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    return args
+
+
+def hf_part(model: str, tokenizer: Any, loads: dict[str, list[list[int]]], args: argparse.Namespace
+            ) -> tuple[list[GpuRow], dict[str, Any] | None]:
+    """HF's rows in fp32 and bf16, and the fast tier's fidelity against HF fp32, all on the GPU."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from benchmarks.peers import load_hf_model
+
+    if args.no_hf:
+        return [], None
+    hf_logging.set_verbosity_error()
+    hf = load_hf_model(model).to("cuda")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    fid = fidelity(model, hf, tokenizer)
+    rows = hf_rows(hf, "HF fp32", pad, loads, args.max_tokens, args.runs)
+    return rows + hf_rows(hf.to(torch.bfloat16), "HF bf16", pad, loads, args.max_tokens, args.runs), fid
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from verispec.models.default import default_model_path
+    from verispec.models.loader import load_tokenizer
+
+    args = parse_args(argv)
+    model = args.model or default_model_path()
+    tokenizer = load_tokenizer(model)
+    loads, rows = workloads(tokenizer), []
+    for tier in TIERS:
+        for drafter in args.drafters:
+            rows += verispec_rows(model, tier, drafter, loads, args.max_tokens, args.runs)
+            print(format_rows(rows[-len(loads):], markdown=False), flush=True)
+    hf, fid = hf_part(model, tokenizer, loads, args)
+    rows = sorted(rows + hf, key=lambda r: r.workload)
+    device = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "max_tokens": args.max_tokens,
+              "runs": args.runs}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu.json").write_text(json.dumps({"device": device, "rows": [asdict(r) for r in rows],
+                                                   "fast_tier_fidelity": fid}, indent=2))
+    text = f"{json.dumps(device)}\n\n{format_rows(rows)}\n\nfast tier vs HF fp32 on the GPU: {json.dumps(fid)}\n"
+    (args.out / "gpu.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
