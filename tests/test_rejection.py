@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from verispec.spec_decode.rejection import RowDraws, assemble, residual_distribution, row_outcomes
+from verispec.spec_decode.rejection import RowDraws, assemble, recovery_weights, row_outcomes
 
 NO_BONUS = torch.tensor([False, False])
 
 
-def test_residual_of_one_hot_drafts_removes_the_draft_token():
-    probs = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
-    out = residual_distribution(probs, torch.tensor([0, 2]), None)
-    assert torch.equal(out, torch.tensor([[0.0, 0.3, 0.2], [0.1, 0.1, 0.0]]))
-
-
-def test_residual_of_q_drafts_is_the_positive_part_of_p_minus_q():
-    p, q = torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.2, 0.6, 0.2]])
-    assert torch.allclose(residual_distribution(p, torch.tensor([1]), q), torch.tensor([[0.3, 0.0, 0.0]]))
+def test_recovery_weights_are_the_positive_part_of_p_minus_q_on_recovering_rows_and_p_bit_for_bit_elsewhere():
+    p = torch.softmax(torch.randn(3, 7, generator=torch.Generator().manual_seed(0)), -1)
+    q = torch.softmax(torch.randn(3, 7, generator=torch.Generator().manual_seed(1)), -1)
+    out = recovery_weights(p.clone(), q, torch.tensor([True, False, True]))
+    assert torch.equal(out[[0, 2]], (p[[0, 2]] - q[[0, 2]]).clamp_min(0.0))
+    assert torch.equal(out[1], p[1])  # a bonus row or one-hot draft draws from p itself, unchanged
 
 
 def test_greedy_rows_accept_the_argmax_and_emit_it_otherwise():

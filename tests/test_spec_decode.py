@@ -154,7 +154,7 @@ def test_biased_verifier_fails_the_distribution_test(small_vocab_model, monkeypa
 
     # The classic bug: after a rejection, draw from p itself instead of norm(max(p - q, 0)).
     # The residual is drawn on the q-drafter path (one-hot drafts use the winner of the plain draw instead).
-    monkeypatch.setattr(rejection, "residual_distribution", lambda probs, drafts, q: probs)
+    monkeypatch.setattr(rejection, "recovery_weights", lambda probs, q, recover: probs)
     n = 3000
     exact = exact_two_token_distribution(model, PROMPT16, params)
     counts = sample_pairs(path, PROMPT16, params, n, {"method": "layer_skip", "num_layers": 1,

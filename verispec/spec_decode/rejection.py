@@ -66,6 +66,8 @@ class RowDraws:
     uses_q: torch.Tensor | None = None  # [N] bool: the row verifies a q-draft of a random request
     accept_u: torch.Tensor | None = None  # [N] float64 U(0,1) `accept` draws
     recover_u: torch.Tensor | None = None  # [N] float64 U(0,1) `recover` draws
+    # Host-side: some row is greedy (False lets verification skip the argmax over every row).
+    any_greedy: bool = True
 
     @classmethod
     def build(cls, rows: list[list[RowSpec]], q: list[torch.Tensor | None], vocab: int,
@@ -77,7 +79,8 @@ class RowDraws:
         if all(greedy):
             return cls(greedy=None, sample_u=None)  # greedy requests have no q rule either
         draws = cls(greedy=to_device(greedy, dtype=torch.bool, device=device),
-                    sample_u=uniform_values([spec.noise_key("sample") for spec in flat], device))
+                    sample_u=uniform_values([spec.noise_key("sample") for spec in flat], device),
+                    any_greedy=any(greedy))
         with_q = [x is not None and not group[0].params.greedy for x, group in zip(q, rows)]
         if not any(with_q):
             return draws
@@ -98,13 +101,10 @@ class RowDraws:
                        uses_q=pick(self.uses_q), accept_u=pick(self.accept_u), recover_u=pick(self.recover_u))
 
 
-def residual_distribution(
-    probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None
-) -> torch.Tensor:
-    """Unnormalised max(p - q, 0); for one-hot q that is p with the draft token removed."""
-    if draft_probs is None:
-        return probs.scatter(-1, draft_tokens[..., None], 0.0)
-    return (probs - draft_probs).clamp_min(0.0)
+def recovery_weights(probs: torch.Tensor, q: torch.Tensor, recover: torch.Tensor) -> torch.Tensor:
+    """Unnormalised max(p - q, 0) on the rows that `recover` (a rejected q-draft's residual), p
+    exactly elsewhere, in one pass over [N, V]: p - q * 0 is p."""
+    return torch.addcmul(probs, q, recover[:, None].to(probs.dtype), value=-1.0).clamp_min_(0.0)
 
 
 def row_outcomes(
@@ -116,25 +116,31 @@ def row_outcomes(
     """Per-row verification statistics; rows are independent of each other. A random row makes
     one draw: from the residual max(p - q, 0) where it tests a q-draft (its recovered token), from
     p otherwise (its sample: the one-hot test's winner, or its bonus token)."""
-    winners = processed.argmax(dim=-1)
     if draws.sample_u is None:  # every row greedy (so no q rule either)
-        accept, emit = drafts == winners, winners
-    elif draws.q is None:
-        winners = torch.where(draws.greedy, winners, inverse_cdf(processed.softmax(dim=-1), draws.sample_u))
-        accept, emit = drafts == winners, winners
-    else:
-        probs = processed.softmax(dim=-1)
-        index = drafts.clamp_min(0)[:, None]  # a bonus row's placeholder is never tested
-        recover = draws.uses_q & ~is_bonus
-        weights = torch.where(recover[:, None], residual_distribution(probs, index[:, 0], draws.q), probs)
-        drawn = inverse_cdf(weights, torch.where(recover, draws.recover_u, draws.sample_u))
-        winners = torch.where(draws.greedy, winners, drawn)
-        p_draft = probs.gather(-1, index).squeeze(-1).double()
-        q_draft = draws.q.gather(-1, index).squeeze(-1).double()
-        accept_q = (draws.accept_u * q_draft <= p_draft) & (q_draft > 0)
-        accept = torch.where(draws.uses_q, accept_q, drafts == winners)
-        emit = winners  # on a row that tests a q-draft, `drawn` is its recovered token
-    accept = accept & ~is_bonus
+        winners = processed.argmax(dim=-1)
+        return _outcome(drafts == winners, winners, drafts, is_bonus)
+    probs = processed.softmax(dim=-1)
+    if draws.q is None:
+        winners = _with_greedy(processed, draws, inverse_cdf(probs, draws.sample_u))
+        return _outcome(drafts == winners, winners, drafts, is_bonus)
+    index = drafts.clamp_min(0)[:, None]  # a bonus row's placeholder is never tested
+    recover = draws.uses_q & ~is_bonus
+    weights = recovery_weights(probs, draws.q, recover)
+    drawn = inverse_cdf(weights, torch.where(recover, draws.recover_u, draws.sample_u))
+    winners = _with_greedy(processed, draws, drawn)  # on a row that tests a q-draft, its recovered token
+    p_draft = probs.gather(-1, index).squeeze(-1).double()
+    q_draft = draws.q.gather(-1, index).squeeze(-1).double()
+    accept_q = (draws.accept_u * q_draft <= p_draft) & (q_draft > 0)
+    return _outcome(torch.where(draws.uses_q, accept_q, drafts == winners), winners, drafts, is_bonus)
+
+
+def _with_greedy(processed: torch.Tensor, draws: RowDraws, drawn: torch.Tensor) -> torch.Tensor:
+    """The greedy rows' argmax in place of their draw; no argmax at all where no row is greedy."""
+    return torch.where(draws.greedy, processed.argmax(dim=-1), drawn) if draws.any_greedy else drawn
+
+
+def _outcome(accept: torch.Tensor, emit: torch.Tensor, drafts: torch.Tensor, is_bonus: torch.Tensor) -> RowOutcome:
+    accept = accept & ~is_bonus  # a bonus row has no draft to accept
     return RowOutcome(accept=accept, emit=emit, selected=torch.where(accept, drafts, emit))
 
 
