@@ -357,7 +357,7 @@ def test_invalid_adaptive_options_name_the_field(tiny_llama, bad, field):
 
 def test_profile_times_every_grid_size_and_keeps_the_fastest_run(tiny_llama, monkeypatch):
     """A fake clock: a forward over n tokens costs 1 ms per token, plus 1 s on the first run of each
-    size (a cold cache). The profile must time each size of the doubling grid and keep its best run."""
+    size (a cold cache). The profile must time each size of its grid and keep its best run."""
     from types import SimpleNamespace
 
     from verispec.spec_decode import adaptive as adaptive_mod
@@ -378,7 +378,8 @@ def test_profile_times_every_grid_size_and_keeps_the_fastest_run(tiny_llama, mon
 
     monkeypatch.setattr(adaptive_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     cost = CostModel.profile(Timed(), block_size=16, max_tokens=40, device=torch.device("cpu"))
-    assert cost.tokens == [1, 2, 4, 8, 16, 32, 40] and cost.learn
+    # The doubling grid, and one past each power of two from 4: the first row of a new tile.
+    assert cost.tokens == [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 40] and cost.learn
     assert cost.seconds == pytest.approx([1e-3 * n for n in cost.tokens])
 
 
