@@ -17,6 +17,7 @@ the same code does on a GPU, where a step costs launches more than bytes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -25,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fidelity import measure as measure_fidelity
-from benchmarks.prompts import chat_prompts, extractive_prompt
+from benchmarks.peers import HFSystem
+from benchmarks.prompts import Prompt, chat_prompts, extractive_prompt
 from benchmarks.report import _render
-from benchmarks.system import SPEC_K
+from benchmarks.system import PLAIN, SPEC, SPEC_K
 
 TIERS = {"exact": "float32", "fast": "auto"}
 DRAFTERS: dict[str, dict | None] = {
@@ -47,9 +49,13 @@ class GpuRow:
     mean_acceptance_length: float | None = None
 
 
-def workloads(tokenizer: Any) -> dict[str, list[list[int]]]:
-    chats = [p.ids for p in chat_prompts(tokenizer, 16)]
-    return {"chat b1": chats[:1], "chat b16": chats, "extractive b1": [extractive_prompt(tokenizer).ids]}
+def workloads(tokenizer: Any) -> dict[str, list[Prompt]]:
+    chats = chat_prompts(tokenizer, 16)
+    return {"chat b1": chats[:1], "chat b16": chats, "extractive b1": [extractive_prompt(tokenizer)]}
+
+
+def token_ids(loads: dict[str, list[Prompt]]) -> dict[str, list[list[int]]]:
+    return {name: [p.ids for p in prompts] for name, prompts in loads.items()}
 
 
 def _timed(run, runs: int) -> float:
@@ -101,27 +107,15 @@ def verispec_rows(model: str, tier: str, drafter: str, loads: dict[str, list[lis
     return rows
 
 
-def hf_rows(hf: Any, label: str, pad: int, loads: dict[str, list[list[int]]], max_tokens: int,
-            runs: int) -> list[GpuRow]:
-    import torch
-
+def hf_rows(hf: HFSystem, label: str, loads: dict[str, list[Prompt]], max_tokens: int, runs: int) -> list[GpuRow]:
+    """The CPU benchmark's HF system (one left-padded batch; prompt lookup at batch 1, the only
+    size HF's assisted generation takes) on whatever device its model is."""
     rows = []
     for name, prompts in loads.items():
-        width = max(map(len, prompts))  # one left-padded batch
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
-        variants = {label: {}}
-        if len(prompts) == 1:
-            variants[f"{label} + prompt lookup k={SPEC_K}"] = {"prompt_lookup_num_tokens": SPEC_K}
-        for system, extra in variants.items():
-            def run() -> None:
-                with torch.inference_mode():
-                    hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                                min_new_tokens=max_tokens, pad_token_id=pad, **extra)
-                if hf.device.type == "cuda":
-                    torch.cuda.synchronize()
-
-            rows.append(GpuRow(name, system, len(prompts) * max_tokens / _timed(run, runs)))
+        for variant in (PLAIN, SPEC) if len(prompts) == 1 else (PLAIN,):
+            seconds = _timed(functools.partial(hf.generate, prompts, max_tokens, variant), runs)
+            system = label if variant == PLAIN else f"{label} + prompt lookup k={SPEC_K}"
+            rows.append(GpuRow(name, system, len(prompts) * max_tokens / seconds))
     return rows
 
 
@@ -166,22 +160,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def hf_part(model: str, tokenizer: Any, loads: dict[str, list[list[int]]], args: argparse.Namespace
+def hf_part(model: str, tokenizer: Any, loads: dict[str, list[Prompt]], args: argparse.Namespace
             ) -> tuple[list[GpuRow], dict[str, Any] | None]:
     """HF's rows in fp32 and bf16, and the fast tier's fidelity against HF fp32, all on the GPU."""
     import torch
-    from transformers.utils import logging as hf_logging
-
-    from benchmarks.peers import load_hf_model
 
     if args.no_hf:
         return [], None
-    hf_logging.set_verbosity_error()
-    hf = load_hf_model(model).to("cuda")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    fid = fidelity(model, hf, tokenizer)
-    rows = hf_rows(hf, "HF fp32", pad, loads, args.max_tokens, args.runs)
-    return rows + hf_rows(hf.to(torch.bfloat16), "HF bf16", pad, loads, args.max_tokens, args.runs), fid
+    hf = HFSystem(model, tokenizer)
+    hf.model.to("cuda")
+    fid = fidelity(model, hf.model, tokenizer)
+    rows = hf_rows(hf, "HF fp32", loads, args.max_tokens, args.runs)
+    hf.model.to(torch.bfloat16)
+    return rows + hf_rows(hf, "HF bf16", loads, args.max_tokens, args.runs), fid
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     loads, rows = workloads(tokenizer), []
     for tier in TIERS:
         for drafter in args.drafters:
-            rows += verispec_rows(model, tier, drafter, loads, args.max_tokens, args.runs)
+            rows += verispec_rows(model, tier, drafter, token_ids(loads), args.max_tokens, args.runs)
             print(format_rows(rows[-len(loads):], markdown=False), flush=True)
     hf, fid = hf_part(model, tokenizer, loads, args)
     rows = sorted(rows + hf, key=lambda r: r.workload)

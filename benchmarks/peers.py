@@ -206,10 +206,11 @@ class HFSystem:
                 raise ValueError("HF assisted generation runs one sequence at a time")
             extra["prompt_lookup_num_tokens"] = SPEC_K
         calls: list[tuple[int, int]] = []
+        device = self.model.device  # the CPU here; benchmarks/gpu.py moves the model to a GPU
         with torch.inference_mode(), _count_lookup_calls(calls):
             out = self.model.generate(
-                input_ids=torch.tensor(rows),
-                attention_mask=torch.tensor(mask),
+                input_ids=torch.tensor(rows, device=device),
+                attention_mask=torch.tensor(mask, device=device),
                 do_sample=False,
                 max_new_tokens=max_tokens,
                 min_new_tokens=max_tokens,

@@ -29,10 +29,20 @@ def test_verispec_rows_time_every_workload_and_count_drafts_only_with_a_drafter(
         assert lengths and min(lengths) >= 1
 
 
-def test_hf_rows_add_prompt_lookup_at_batch_one_only(tiny_llama):
-    rows = hf_rows(hf_model(tiny_llama), "HF fp32", 0, LOADS, max_tokens=4, runs=1)
+def test_hf_rows_time_the_benchmarks_hf_system_with_prompt_lookup_at_batch_one_only(tiny_with_tokenizer, monkeypatch):
+    from benchmarks import peers
+    from benchmarks.prompts import Prompt
+    from verispec.models.loader import load_tokenizer
+
+    monkeypatch.setattr(peers, "load_hf_model", lambda path: hf_model(path))
+    tokenizer = load_tokenizer(tiny_with_tokenizer)
+    tokenizer.pad_token = "t0"  # the word-level test tokenizer has no pad or EOS token of its own
+    hf = peers.HFSystem(tiny_with_tokenizer, tokenizer)
+    loads = {name: [Prompt("", "", ids) for ids in prompts] for name, prompts in LOADS.items()}
+    rows = hf_rows(hf, "HF fp32", loads, max_tokens=4, runs=1)
     assert [(r.workload, r.system) for r in rows] == [
         ("chat b1", "HF fp32"), ("chat b1", f"HF fp32 + prompt lookup k={gpu.SPEC_K}"), ("chat b2", "HF fp32")]
+    assert all(r.tok_s > 0 for r in rows)
 
 
 def test_the_table_gives_each_row_against_exact_plain_on_its_own_workload():
