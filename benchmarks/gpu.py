@@ -80,30 +80,34 @@ def verispec_rows(model: str, tier: str, drafter: str, loads: dict[str, list[lis
         return LLM(model, device=device, dtype=TIERS[tier], max_num_seqs=16, speculative_config=DRAFTERS[drafter])
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
-    fresh = drafter in LEARNS_ACROSS_REQUESTS
-    llm, rows = None, []
+
+    def timed(llm: Any, prompts: list[list[int]]) -> tuple[float, int, int]:
+        """Seconds, drafting steps and accepted drafts of one run, prefilled in full."""
+        llm.reset_prefix_cache()
+        before, start = llm.stats(), time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds, after = time.perf_counter() - start, llm.stats()
+        drafts = after["num_drafts"] - before["num_drafts"]
+        return seconds, drafts, after["num_accepted_tokens"] - before["num_accepted_tokens"]
+
+    kept = None if drafter in LEARNS_ACROSS_REQUESTS else engine()
+    rows = []
     for name, prompts in loads.items():
-        others = [p for ps in loads.values() for p in ps if p not in prompts][:4]
-        times, drafts, accepted = [], 0, 0
-        for run in range(runs if fresh else runs + 1):  # a kept engine's run 0 only warms it up
-            if fresh or llm is None:
-                if llm is not None:
-                    llm.shutdown()
-                llm = engine()
-            if fresh or run == 0:
-                llm.generate(others if fresh else prompts, params, use_tqdm=False)
-            if run == 0 and not fresh:
-                continue
-            llm.reset_prefix_cache()  # every run prefills in full
-            before, start = llm.stats(), time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            times.append(time.perf_counter() - start)
-            after = llm.stats()
-            drafts += after["num_drafts"] - before["num_drafts"]
-            accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
-        tok_s = len(prompts) * max_tokens / statistics.median(times)
-        rows.append(GpuRow(name, f"verispec {tier} + {drafter}", tok_s, 1 + accepted / drafts if drafts else None))
-    llm.shutdown()
+        if kept is not None:
+            kept.generate(prompts, params, use_tqdm=False)  # warm-up
+        results = []
+        for _ in range(runs):
+            llm = kept if kept is not None else engine()
+            if kept is None:  # warmed on other prompts, so its tree holds no answer to these
+                llm.generate([p for ps in loads.values() for p in ps if p not in prompts][:4], params, use_tqdm=False)
+            results.append(timed(llm, prompts))
+            if llm is not kept:
+                llm.shutdown()
+        times, drafts, accepted = (list(column) for column in zip(*results))
+        rows.append(GpuRow(name, f"verispec {tier} + {drafter}", len(prompts) * max_tokens / statistics.median(times),
+                           1 + sum(accepted) / sum(drafts) if sum(drafts) else None))
+    if kept is not None:
+        kept.shutdown()
     return rows
 
 
