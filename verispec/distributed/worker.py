@@ -22,6 +22,7 @@ from verispec.distributed.executor import (ComputeLogits, Forward, JoinWeightGro
                                            UpdateFromWeightGroup, UpdateWeights, checked_update, load_shard,
                                            rank_device, update_shard)
 from verispec.distributed.weight_group import join_weight_group, receive_weights
+from verispec.host_memory import keep_freed_memory
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint
@@ -35,6 +36,8 @@ def run_worker(rv: Rendezvous, device: torch.device, num_threads: int, preload: 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rv.rank} %(levelname)s %(message)s")
     torch.set_num_threads(num_threads)
     device = rank_device(device, rv.rank)
+    if device.type == "cpu":
+        keep_freed_memory()
     early = None
     if preload is not None:
         try:

@@ -25,6 +25,7 @@ from verispec.engine.step import SchedulerOutput
 from verispec.distributed.weight_group import WeightGroupSpec
 from verispec.engine.weight_sync import (UpdateWhileRunning, WeightGroupLink, WeightsLike, WeightUpdate, WeightVersion,
                                          WeightVersions, timed_update, update_model_weights)
+from verispec.host_memory import keep_freed_memory
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.cpu_kernels import kernel_build
 from verispec.models.default import default_model_path
@@ -63,6 +64,8 @@ class LLMEngine:
         config.dtype, config.quantization = resolve_precision(model_path, config.dtype, config.quantization)
         # Tensor parallelism: this process is rank 0; the workers start (or are found) here.
         self.tp = TensorParallel(config, model_path) if config.tensor_parallel_size > 1 else None
+        if config.device.type == "cpu":
+            keep_freed_memory()
         self._threads_before = torch.get_num_threads()  # rank 0 shares the cores with its workers until shutdown
         if config.num_threads or self.tp is not None:
             torch.set_num_threads(rank_threads(config))
