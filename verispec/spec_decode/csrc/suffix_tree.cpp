@@ -10,6 +10,11 @@
 // suffixes back down (O(length x depth)). Nodes own their tokens, so a removed sequence leaves no
 // references behind.
 //
+// Each tree takes its nodes, runs and hash tables from its own pool (std::pmr), which draws on
+// malloc in large chunks: a node made per token never lands inside a hole that a step's freed
+// [rows, vocabulary] tensor left in the C heap, so the engine's next step reuses that hole
+// instead of growing the heap (host_memory.py keeps step-sized blocks in the heap).
+//
 // Built by spec_decode/suffix_tree.py with the local C++ compiler (portable code, no vector
 // instructions), loaded as a Python extension module.
 
@@ -20,6 +25,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <memory_resource>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -35,16 +41,36 @@ namespace {
 // A branching node's distribution keeps at most this many children (the most frequent), renormalised.
 constexpr size_t kMaxBranches = 32;
 
+struct Node;
+
+// Gives a node back to the pool it came from.
+struct NodeDeleter {
+  std::pmr::memory_resource* pool;
+  void operator()(Node* n) const;
+};
+using NodePtr = std::unique_ptr<Node, NodeDeleter>;
+
 struct Node {
+  explicit Node(std::pmr::memory_resource* pool) : tokens(pool), children(pool) {}
   int64_t count = 0;  // suffixes that pass through or end in this node
   Node* parent = nullptr;
-  std::vector<int32_t> tokens;  // the run from the parent; tokens[0] keys it in parent->children
-  std::unordered_map<int32_t, std::unique_ptr<Node>> children;
+  std::pmr::vector<int32_t> tokens;  // the run from the parent; tokens[0] keys it in parent->children
+  std::pmr::unordered_map<int32_t, NodePtr> children;
 };
 
+void NodeDeleter::operator()(Node* n) const {
+  n->~Node();
+  pool->deallocate(n, sizeof(Node), alignof(Node));
+}
+
+NodePtr make_node(std::pmr::memory_resource* pool) {
+  return NodePtr(new (pool->allocate(sizeof(Node), alignof(Node))) Node(pool), NodeDeleter{pool});
+}
+
 struct Sequence {
-  std::vector<int32_t> tokens;
-  std::deque<Node*> growing;  // where each of the last `depth` suffixes ends, oldest first
+  explicit Sequence(std::pmr::memory_resource* pool) : tokens(pool), growing(pool) {}
+  std::pmr::vector<int32_t> tokens;
+  std::pmr::deque<Node*> growing;  // where each of the last `depth` suffixes ends, oldest first
 };
 
 // One draft: its tokens, at each position q (the distribution the token was drawn from, sparse),
@@ -88,19 +114,19 @@ struct Branch {
 
 class SuffixTree {
  public:
-  explicit SuffixTree(int depth) : depth_(depth), root_(std::make_unique<Node>()) {
+  explicit SuffixTree(int depth) : depth_(depth), root_(make_node(&pool_)) {
     if (depth < 1) throw std::invalid_argument("depth must be >= 1");
   }
 
   void extend(int64_t id, const std::vector<int32_t>& tokens) {
-    Sequence& seq = seqs_[id];
+    Sequence& seq = seqs_.try_emplace(id, &pool_).first->second;
     for (int32_t t : tokens) append(seq, t);
   }
 
   void remove(int64_t id) {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return;
-    const std::vector<int32_t>& s = it->second.tokens;
+    const std::pmr::vector<int32_t>& s = it->second.tokens;
     for (size_t start = 0; start < s.size(); ++start) remove_suffix(s, start);
     num_tokens_ -= static_cast<int64_t>(s.size());
     seqs_.erase(it);
@@ -154,7 +180,7 @@ class SuffixTree {
     while (!stack.empty()) {
       const Node* n = stack.back();
       stack.pop_back();
-      total += sizeof(Node) + 16 + n->tokens.capacity() * sizeof(int32_t);
+      total += sizeof(Node) + n->tokens.capacity() * sizeof(int32_t);
       total += n->children.bucket_count() * sizeof(void*) + n->children.size() * 32;
       for (const auto& kv : n->children) stack.push_back(kv.second.get());
     }
@@ -211,7 +237,7 @@ class SuffixTree {
         node->tokens.push_back(t);
         return node;
       }
-      auto leaf = std::make_unique<Node>();
+      NodePtr leaf = make_node(&pool_);
       leaf->count = 1;
       leaf->parent = node;
       leaf->tokens.push_back(t);
@@ -229,14 +255,14 @@ class SuffixTree {
         child->count += 1;
         Node* parent = node->parent;
         child->parent = parent;
-        std::unique_ptr<Node> keep = std::move(it->second);
+        NodePtr keep = std::move(it->second);
         parent->children[child->tokens[0]] = std::move(keep);  // frees `node`
         --num_nodes_;
         return child;
       }
       node->tokens.push_back(t);
       child->tokens.erase(child->tokens.begin());
-      std::unique_ptr<Node> keep = std::move(it->second);
+      NodePtr keep = std::move(it->second);
       node->children.erase(it);
       node->children.emplace(child->tokens[0], std::move(keep));
       return node;
@@ -246,7 +272,7 @@ class SuffixTree {
       return child;
     }
     // Split the child's run after its first token.
-    auto mid = std::make_unique<Node>();
+    NodePtr mid = make_node(&pool_);
     mid->count = child->count + 1;
     mid->parent = node;
     mid->tokens.push_back(t);
@@ -259,7 +285,7 @@ class SuffixTree {
     return raw;
   }
 
-  void remove_suffix(const std::vector<int32_t>& s, size_t start) {
+  void remove_suffix(const std::pmr::vector<int32_t>& s, size_t start) {
     const size_t end = std::min(s.size(), start + static_cast<size_t>(depth_));
     Node* node = root_.get();
     node->count -= 1;
@@ -290,7 +316,7 @@ class SuffixTree {
     child->tokens.insert(child->tokens.begin(), node->tokens.begin(), node->tokens.end());
     Node* parent = node->parent;
     child->parent = parent;
-    std::unique_ptr<Node> keep = std::move(only->second);
+    NodePtr keep = std::move(only->second);
     parent->children[child->tokens[0]] = std::move(keep);  // frees `node`
     --num_nodes_;
   }
@@ -379,7 +405,9 @@ class SuffixTree {
   }
 
   int depth_;
-  std::unique_ptr<Node> root_;
+  // Declared first, so it outlives (is destroyed after) everything drawn from it.
+  std::pmr::unsynchronized_pool_resource pool_;
+  NodePtr root_;
   std::unordered_map<int64_t, Sequence> seqs_;
   int64_t num_nodes_ = 1;
   int64_t num_tokens_ = 0;
