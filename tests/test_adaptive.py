@@ -403,3 +403,21 @@ def test_a_calibration_bucket_averages_its_first_outcomes_with_the_prior_then_mo
     before = ctl.calibrated(0.55, greedy=False)
     ctl.observe(req, 1, 1, [0.55])
     assert ctl.calibrated(0.55, greedy=False) == pytest.approx(before + GLOBAL_EMA * (1 - before))
+
+
+def test_a_drafts_calibrated_survival_is_the_running_product_of_its_buckets():
+    """One lookup for a whole draft gives what a lookup per position does, bucket edges included."""
+    from types import SimpleNamespace
+
+    ctl = AdaptiveController(8, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=True)
+    req = SimpleNamespace(params=SimpleNamespace(greedy=False), spec_history=None)
+    for accepted, peak in [(1, 0.55), (0, 0.95), (0, 0.0), (1, 0.3), (0, 0.98)]:
+        ctl.observe(req, 1, accepted, [peak])
+    peaks = [1.0, 0.98, 0.95, 0.55, 0.5, 0.3, 0.01, 0.0]
+    for greedy in (False, True):
+        expected, running = [], 1.0
+        for peak in peaks:
+            running *= ctl.calibrated(peak, greedy)
+            expected.append(running)
+        assert ctl.calibrated_survival(peaks, greedy) == pytest.approx(expected, rel=1e-15)
+    assert ctl.calibrated_survival([], greedy=False) == []

@@ -62,6 +62,7 @@ COST_LEARNING_RATE = 0.2
 TILE_EDGE_MIN, TILE_EDGE_MAX = 4, 64
 # Left edges of the q-peak buckets of the calibration table.
 Q_BUCKET_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+_EDGES = np.asarray(Q_BUCKET_EDGES)  # numpy converts a tuple on every call
 
 
 @dataclass(slots=True)
@@ -281,7 +282,13 @@ class AdaptiveController:
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
 
     def calibrated(self, q: float, greedy: bool) -> float:
-        return self.calibration[0 if greedy else 1][int(np.searchsorted(Q_BUCKET_EDGES, q, side="right")) - 1]
+        return self.calibration[0 if greedy else 1][int(np.searchsorted(_EDGES, q, side="right")) - 1]
+
+    def calibrated_survival(self, peaks, greedy: bool) -> list[float]:
+        """The running product of the peaks' calibrated rates: one lookup for the whole draft (a
+        lookup per draft took 0.3 ms of a 20 ms step at 16 rollouts)."""
+        table = np.asarray(self.calibration[0 if greedy else 1])
+        return np.cumprod(table[np.searchsorted(_EDGES, peaks, side="right") - 1]).tolist()
 
     # ------------------------------------------------------------------ scores on the host
     def history(self, req) -> RequestHistory:
@@ -299,8 +306,7 @@ class AdaptiveController:
                 prev.append(prev[-1] * conf[len(prev)])
             return prev
         if req.draft_confidence is not None:  # a host drafter's q peaks (suffix), calibrated
-            greedy = req.params.greedy
-            return list(np.cumprod([self.calibrated(c, greedy) for c in req.draft_confidence[:num_drafts]]))
+            return self.calibrated_survival(req.draft_confidence[:num_drafts], req.params.greedy)
         return list(np.cumprod(history.confidence[:num_drafts]))
 
     # ------------------------------------------------------------------ the plan
@@ -344,7 +350,7 @@ class AdaptiveController:
             conf[j] += REQUEST_EMA * (outcome - conf[j])
             self.global_confidence[j] += GLOBAL_EMA * (outcome - self.global_confidence[j])
             if q is not None:
-                b = int(np.searchsorted(Q_BUCKET_EDGES, q[j], side="right")) - 1
+                b = int(np.searchsorted(_EDGES, q[j], side="right")) - 1
                 counts[b] += 1
                 table[b] += max(GLOBAL_EMA, 1.0 / (counts[b] + PRIOR_WEIGHT)) * (outcome - table[b])
         if 0 < capacity == num_accepted and capacity < len(conf):
@@ -352,4 +358,4 @@ class AdaptiveController:
             # estimate toward the last one's, or a request capped early would never try more.
             conf[capacity] += REQUEST_EMA * (conf[capacity - 1] - conf[capacity])
         if q is not None:  # next step's estimate: this step's drafts, scored with the new table
-            history.survival = list(np.cumprod([self.calibrated(x, req.params.greedy) for x in q]))
+            history.survival = self.calibrated_survival(q, req.params.greedy)

@@ -120,7 +120,7 @@ class SuffixCache:
             other = shared.speculate(context, max_tokens, factor, 0.0, min_prob, *draws)
             if other.score > best.score:
                 best = other
-        return best if best.tokens else None
+        return best if best.match_len else None  # a draft has a match; reading .tokens copies them
 
     def stats(self) -> SuffixStats:
         trees = list(self.global_trees.values())
@@ -160,11 +160,11 @@ class SuffixDrafter:
             draft = self.cache.speculate(req, room, self.factor, self.min_prob, draw=not one_hot)
             if draft is None:
                 continue
-            drafts = list(draft.tokens)
+            drafts = draft.tokens  # each read of a Draft's field converts it to a new list
             if req.grammar is not None:  # only drafts the grammar allows can be verified
                 drafts = drafts[: req.grammar.valid_prefix(drafts)]
             req.draft_token_ids = drafts
-            req.draft_confidence = list(draft.confidence[: len(drafts)])
+            req.draft_confidence = draft.confidence[: len(drafts)]
             if not one_hot:
                 req.draft_q = list(zip(draft.q_ids, draft.q_probs))
 

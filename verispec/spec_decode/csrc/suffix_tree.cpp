@@ -138,31 +138,33 @@ class SuffixTree {
   // depends on the context alone, never on the draws.
   Draft speculate(const std::vector<int32_t>& context, int max_tokens, double factor, double offset,
                   double min_prob, std::optional<uint64_t> noise_base, int64_t first_position) const {
+    // Every match length is scored without recording its draft (up to depth^2 tokens of
+    // vectors); the chosen one is walked again and recorded.
     Draft best;
     const Node* best_node = nullptr;
     size_t best_idx = 0;
+    int best_m = 0;
     const size_t longest = std::min(context.size(), static_cast<size_t>(depth_));
+    auto limit_of = [&](size_t m) {
+      return std::max(0, std::min(max_tokens, static_cast<int>(m * factor + offset + 1e-6)));
+    };
     for (size_t m = 1; m <= longest; ++m) {
       auto [node, idx] = match(context.data() + context.size() - m, m);
       if (node == nullptr) break;  // a longer suffix cannot occur either
-      const int limit = std::max(0, std::min(max_tokens, static_cast<int>(m * factor + offset + 1e-6)));
-      Draft d = walk(node, idx, limit, min_prob, nullptr);
-      if (!d.tokens.empty() && d.score >= best.score) {
-        best = std::move(d);
-        best.match_len = static_cast<int>(m);
+      const Draft d = walk(node, idx, limit_of(m), min_prob, nullptr, false);
+      if (d.match_len > 0 && d.score >= best.score) {
+        best.score = d.score;
+        best_m = static_cast<int>(m);
         best_node = node;
         best_idx = idx;
       }
     }
-    if (best_node != nullptr && noise_base.has_value()) {
-      const int limit = std::max(0, std::min(max_tokens, static_cast<int>(best.match_len * factor + offset + 1e-6)));
-      const double score = best.score;
-      const int m = best.match_len;
-      const Draws draws{*noise_base, first_position};
-      best = walk(best_node, best_idx, limit, min_prob, &draws);
-      best.score = score;
-      best.match_len = m;
-    }
+    if (best_node == nullptr) return Draft{};
+    const double score = best.score;  // the most frequent path's, for the draws' walk too
+    const Draws draws{noise_base.value_or(0), first_position};
+    best = walk(best_node, best_idx, limit_of(best_m), min_prob, noise_base.has_value() ? &draws : nullptr, true);
+    best.score = score;
+    best.match_len = best_m;
     return best;
   }
 
@@ -349,18 +351,21 @@ class SuffixTree {
   // that every token so far continues the text, as the counts have it) times the branch's peak
   // stays >= min_prob. The stop test reads the peak, not the drawn token's probability, so
   // whether position j is drafted depends only on the drafts before it.
-  static Draft walk(const Node* node, size_t idx, int limit, double min_prob, const Draws* draws) {
+  // Without `record`, only the score and (in match_len) the number of tokens are kept.
+  static Draft walk(const Node* node, size_t idx, int limit, double min_prob, const Draws* draws, bool record) {
     Draft d;
     double prob = 1.0;
     std::vector<Branch> branches;
-    while (static_cast<int>(d.tokens.size()) < limit) {
+    int n = 0;
+    for (; n < limit; ++n) {
       if (idx < node->tokens.size()) {
         const int32_t tok = node->tokens[idx++];
+        d.score += prob;
+        if (!record) continue;
         d.tokens.push_back(tok);
         d.q_ids.push_back({tok});
         d.q_probs.push_back({1.0});
         d.confidence.push_back(1.0);
-        d.score += prob;
         continue;
       }
       if (node->children.empty()) break;
@@ -378,7 +383,7 @@ class SuffixTree {
       for (const Branch& b : branches) kept += b.count;
       size_t pick = 0;
       if (draws != nullptr) {  // inverse CDF over the kept branches
-        const double u = uniform(draws->base, draws->first_position + static_cast<int64_t>(d.tokens.size()));
+        const double u = uniform(draws->base, draws->first_position + static_cast<int64_t>(n));
         const double target = u * static_cast<double>(kept);
         double cum = 0.0;
         for (pick = 0; pick + 1 < keep; ++pick) {
@@ -386,21 +391,24 @@ class SuffixTree {
           if (target < cum) break;
         }
       }
-      std::vector<int32_t> ids;
-      std::vector<double> probs;
-      for (const Branch& b : branches) {
-        ids.push_back(b.token);
-        probs.push_back(static_cast<double>(b.count) / static_cast<double>(kept));
-      }
       prob *= static_cast<double>(branches[pick].count) / total;
-      d.tokens.push_back(branches[pick].token);
-      d.q_ids.push_back(std::move(ids));
-      d.q_probs.push_back(std::move(probs));
-      d.confidence.push_back(static_cast<double>(branches[0].count) / total);
       d.score += prob;
+      if (record) {
+        std::vector<int32_t> ids;
+        std::vector<double> probs;
+        for (const Branch& b : branches) {
+          ids.push_back(b.token);
+          probs.push_back(static_cast<double>(b.count) / static_cast<double>(kept));
+        }
+        d.tokens.push_back(branches[pick].token);
+        d.q_ids.push_back(std::move(ids));
+        d.q_probs.push_back(std::move(probs));
+        d.confidence.push_back(static_cast<double>(branches[0].count) / total);
+      }
       node = branches[pick].node;
       idx = 1;
     }
+    d.match_len = n;  // until the caller sets the match length: how many tokens were walked
     return d;
   }
 
