@@ -140,7 +140,7 @@ class SuffixTree {
                   double min_prob, std::optional<uint64_t> noise_base, int64_t first_position) const {
     // Every match length is scored without recording its draft (up to depth^2 tokens of
     // vectors); the chosen one is walked again and recorded.
-    Draft best;
+    double best_score = 0.0;
     const Node* best_node = nullptr;
     size_t best_idx = 0;
     int best_m = 0;
@@ -151,19 +151,19 @@ class SuffixTree {
     for (size_t m = 1; m <= longest; ++m) {
       auto [node, idx] = match(context.data() + context.size() - m, m);
       if (node == nullptr) break;  // a longer suffix cannot occur either
-      const Draft d = walk(node, idx, limit_of(m), min_prob, nullptr, false);
-      if (d.match_len > 0 && d.score >= best.score) {
-        best.score = d.score;
+      const double score = walk(node, idx, limit_of(m), min_prob, nullptr, nullptr);
+      if (score > 0.0 && score >= best_score) {  // a score of 0: no token to draft
+        best_score = score;
         best_m = static_cast<int>(m);
         best_node = node;
         best_idx = idx;
       }
     }
-    if (best_node == nullptr) return Draft{};
-    const double score = best.score;  // the most frequent path's, for the draws' walk too
+    Draft best;
+    if (best_node == nullptr) return best;
     const Draws draws{noise_base.value_or(0), first_position};
-    best = walk(best_node, best_idx, limit_of(best_m), min_prob, noise_base.has_value() ? &draws : nullptr, true);
-    best.score = score;
+    walk(best_node, best_idx, limit_of(best_m), min_prob, noise_base.has_value() ? &draws : nullptr, &best);
+    best.score = best_score;  // the most frequent path's, for the draws' walk too
     best.match_len = best_m;
     return best;
   }
@@ -351,21 +351,20 @@ class SuffixTree {
   // that every token so far continues the text, as the counts have it) times the branch's peak
   // stays >= min_prob. The stop test reads the peak, not the drawn token's probability, so
   // whether position j is drafted depends only on the drafts before it.
-  // Without `record`, only the score and (in match_len) the number of tokens are kept.
-  static Draft walk(const Node* node, size_t idx, int limit, double min_prob, const Draws* draws, bool record) {
-    Draft d;
+  // Returns the path's score (0: no token); `record`, where given, receives the draft itself.
+  static double walk(const Node* node, size_t idx, int limit, double min_prob, const Draws* draws, Draft* record) {
+    double score = 0.0;
     double prob = 1.0;
     std::vector<Branch> branches;
-    int n = 0;
-    for (; n < limit; ++n) {
+    for (int n = 0; n < limit; ++n) {
       if (idx < node->tokens.size()) {
         const int32_t tok = node->tokens[idx++];
-        d.score += prob;
-        if (!record) continue;
-        d.tokens.push_back(tok);
-        d.q_ids.push_back({tok});
-        d.q_probs.push_back({1.0});
-        d.confidence.push_back(1.0);
+        score += prob;
+        if (record == nullptr) continue;
+        record->tokens.push_back(tok);
+        record->q_ids.push_back({tok});
+        record->q_probs.push_back({1.0});
+        record->confidence.push_back(1.0);
         continue;
       }
       if (node->children.empty()) break;
@@ -392,24 +391,23 @@ class SuffixTree {
         }
       }
       prob *= static_cast<double>(branches[pick].count) / total;
-      d.score += prob;
-      if (record) {
+      score += prob;
+      if (record != nullptr) {
         std::vector<int32_t> ids;
         std::vector<double> probs;
         for (const Branch& b : branches) {
           ids.push_back(b.token);
           probs.push_back(static_cast<double>(b.count) / static_cast<double>(kept));
         }
-        d.tokens.push_back(branches[pick].token);
-        d.q_ids.push_back(std::move(ids));
-        d.q_probs.push_back(std::move(probs));
-        d.confidence.push_back(static_cast<double>(branches[0].count) / total);
+        record->tokens.push_back(branches[pick].token);
+        record->q_ids.push_back(std::move(ids));
+        record->q_probs.push_back(std::move(probs));
+        record->confidence.push_back(static_cast<double>(branches[0].count) / total);
       }
       node = branches[pick].node;
       idx = 1;
     }
-    d.match_len = n;  // until the caller sets the match length: how many tokens were walked
-    return d;
+    return score;
   }
 
   int depth_;
