@@ -65,6 +65,11 @@ Q_BUCKET_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 
 _EDGES = np.asarray(Q_BUCKET_EDGES)  # numpy converts a tuple on every call
 
 
+def q_bucket(q: float) -> int:
+    """The calibration bucket of a q peak."""
+    return int(np.searchsorted(_EDGES, q, side="right")) - 1
+
+
 @dataclass(slots=True)
 class CostModel:
     """Step cost (seconds) against the number of tokens in the step: a table interpolated
@@ -282,7 +287,7 @@ class AdaptiveController:
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
 
     def calibrated(self, q: float, greedy: bool) -> float:
-        return self.calibration[0 if greedy else 1][int(np.searchsorted(_EDGES, q, side="right")) - 1]
+        return self.calibration[0 if greedy else 1][q_bucket(q)]
 
     def calibrated_survival(self, peaks, greedy: bool) -> list[float]:
         """The running product of the peaks' calibrated rates: one lookup for the whole draft (a
@@ -350,7 +355,7 @@ class AdaptiveController:
             conf[j] += REQUEST_EMA * (outcome - conf[j])
             self.global_confidence[j] += GLOBAL_EMA * (outcome - self.global_confidence[j])
             if q is not None:
-                b = int(np.searchsorted(_EDGES, q[j], side="right")) - 1
+                b = q_bucket(q[j])
                 counts[b] += 1
                 table[b] += max(GLOBAL_EMA, 1.0 / (counts[b] + PRIOR_WEIGHT)) * (outcome - table[b])
         if 0 < capacity == num_accepted and capacity < len(conf):
