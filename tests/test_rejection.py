@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.spec_decode.rejection import RowDraws, assemble, recovery_weights, row_outcomes
+from verispec.spec_decode.rejection import RowDraws, SparseQ, assemble, recovery_weights, row_outcomes
 
 NO_BONUS = torch.tensor([False, False])
 
@@ -78,3 +78,42 @@ def test_a_later_accept_after_a_rejection_does_not_count():
 def test_without_drafts_every_row_is_its_requests_one_token():
     out = assemble(torch.tensor([4, 5]), torch.tensor([False, False]), torch.tensor([0, 1]), torch.tensor([0, 0]), 2, 1)
     assert out.sampled.tolist() == [[4], [5]] and out.num_sampled.tolist() == [1, 1]
+
+
+def test_a_sparse_q_verifies_bit_for_bit_as_its_dense_rows():
+    """A host drafter's q as (token, probability) pairs gives the dense q rule's residual, accepts
+    and tokens exactly: rows with and without q, drafts inside and outside q's support, a bonus
+    row, supports of different sizes (padding), token 0 inside one support."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, n = 64, 40
+    logits = torch.randn(n, vocab, generator=gen)
+    ids, probs = [], []
+    for r in range(n):
+        size = r % 5  # 0: a row without q (a bonus row, or another request's)
+        support = torch.randperm(vocab, generator=gen)[:size].tolist()
+        if r % 7 == 1 and size:
+            support[0] = 0  # token 0 is also the padding's token
+        share = torch.rand(size, generator=gen)
+        ids.append(support)
+        probs.append((share / share.sum()).tolist() if size else [])
+        logits[r, support] += 4.0  # p agrees with q often enough that some drafts pass
+    sparse = SparseQ.build(list(zip(ids, probs)), torch.device("cpu"))
+    dense = sparse.dense(vocab)
+    assert torch.equal((dense > 0).sum(-1), torch.tensor([len(i) for i in ids]))
+    uses = torch.tensor([len(i) > 0 for i in ids])
+    is_bonus = torch.tensor([r % 11 == 10 for r in range(n)]) & ~uses
+    drafts = torch.tensor([i[r % len(i)] if i and r % 3 else int(torch.randint(vocab, (1,), generator=gen))
+                           for r, i in enumerate(ids)])
+    u = lambda: torch.rand(n, dtype=torch.float64, generator=gen)  # noqa: E731
+    kw = dict(greedy=torch.zeros(n, dtype=torch.bool), sample_u=u(), uses_q=uses, accept_u=u(), recover_u=u(),
+              any_greedy=False)
+    recover = uses & ~is_bonus
+    p = logits.softmax(-1)
+    assert torch.equal(sparse.residual_(p.clone(), recover), recovery_weights(p.clone(), dense, recover))
+    assert torch.equal(sparse.at(drafts[:, None]), dense.gather(-1, drafts[:, None]).squeeze(-1).double())
+    a = row_outcomes(logits, drafts, is_bonus, RowDraws(q=sparse, **kw))
+    b = row_outcomes(logits, drafts, is_bonus, RowDraws(q=dense, **kw))
+    assert torch.equal(a.accept, b.accept) and torch.equal(a.selected, b.selected)
+    assert a.accept.any() and not a.accept.all()  # both outcomes occur: the comparison saw each
+    half = torch.arange(0, n, 2)
+    assert torch.equal(RowDraws(q=sparse, **kw).select(half).q.dense(vocab), dense[half])

@@ -70,3 +70,24 @@ def test_q_draws_only_on_the_draft_rows_of_random_requests():
     assert (meta.draws.accept_u[2:] == 1.0).all() and (meta.draws.accept_u[:2] < 1.0).all()
     assert (meta.draws.q[2:] == 0).all() and torch.allclose(meta.draws.q[:2].sum(-1), torch.ones(2))
     assert (meta.draws.sample_u[3:5] == 1.0).all()  # greedy rows never draw
+
+
+def test_a_host_drafters_q_stays_sparse_with_empty_rows_elsewhere():
+    """Suffix decoding's q (token ids, probabilities per draft) becomes a SparseQ over every
+    candidate row: its draft rows carry their pairs, its bonus row and the other requests' rows
+    none. Beside a model drafter's dense q (one engine never has both) it is scattered densely."""
+    from verispec.spec_decode.rejection import SparseQ
+
+    hot, ngram = request("h", [1], SamplingParams(temperature=1.0, seed=1)), request("n", [1], SamplingParams(temperature=1.0, seed=2))
+    hot.draft_q = [([3, 9], [0.75, 0.25]), ([4], [1.0])]
+    sampled = [ScheduledRequest(hot, 1, True, [3, 4]), ScheduledRequest(ngram, 1, True, [5])]
+    meta = SpecDecodeMetadata.build(sampled, [0, 3], {}, None, VOCAB, CPU)
+    q = meta.draws.q
+    assert isinstance(q, SparseQ) and q.ids.shape == (5, 2)
+    assert q.dense(VOCAB)[0, [3, 9]].tolist() == [0.75, 0.25] and q.dense(VOCAB)[1, 4].item() == 1.0
+    assert (q.dense(VOCAB)[2:] == 0).all()  # the bonus row and the one-hot request
+    assert meta.draws.uses_q.tolist() == [True, True, False, False, False]
+    model = request("m", [1], SamplingParams(temperature=1.0, seed=3))
+    sampled.append(ScheduledRequest(model, 1, True, [PLACEHOLDER]))
+    mixed = SpecDecodeMetadata.build(sampled, [0, 3, 5], {"m": model_drafts([6])}, None, VOCAB, CPU).draws.q
+    assert torch.equal(mixed[:5], q.dense(VOCAB)) and torch.allclose(mixed[5], torch.full((VOCAB,), 1.0 / VOCAB))

@@ -96,7 +96,7 @@ class SpecDecodeMetadata:
             first_flat_rows=first_flat_rows,
             draft_token_ids=draft_ids,
             sampling=SamplingMetadata.build(rows, vocab, device),
-            draws=RowDraws.build(per_request, _q_rows(reqs, model, d, vocab, device), vocab, device),
+            draws=RowDraws.build(per_request, _q_rows(reqs, model, d), vocab, device),
             scoring=RequestScoring.build([r.logprobs_mode for r in reqs], [r.params.logprobs for r in reqs],
                                          [r.params.logprob_token_ids for r in reqs], vocab, device),
             fill=fill,
@@ -114,25 +114,9 @@ class SpecDecodeMetadata:
             input_ids[rows] = self.draft_token_ids[req, j]
 
 
-def _q_rows(reqs: list["Request"], model: list[ModelDrafts | None], num_drafts: list[int], vocab: int,
-            device: torch.device) -> list[torch.Tensor | None]:
-    """Each request's q rows [d, V]: a model drafter's, on the device already, or a host drafter's
-    sparse q (suffix decoding) scattered into zeros, every request's in one pair of copies (positions,
-    values); None: one-hot."""
-    out: list[torch.Tensor | None] = [m.probs if m is not None else None for m in model]
-    host = [i for i, (req, m) in enumerate(zip(reqs, model)) if m is None and req.draft_q and num_drafts[i]]
-    if not host:
-        return out
-    rows, cols, vals, first = [], [], [], 0
-    for i in host:
-        for j, (ids, probs) in enumerate(reqs[i].draft_q[: num_drafts[i]]):
-            rows += [first + j] * len(ids)
-            cols += ids
-            vals += probs
-        first += num_drafts[i]
-    index = to_device([rows, cols], dtype=torch.long, device=device)
-    dense = torch.zeros(first, vocab, device=device)
-    dense[index[0], index[1]] = to_device(vals, dtype=torch.float32, device=device)
-    for i, block in zip(host, dense.split([num_drafts[i] for i in host])):
-        out[i] = block
-    return out
+def _q_rows(reqs: list["Request"], model: list[ModelDrafts | None],
+            num_drafts: list[int]) -> list[torch.Tensor | list[tuple[list[int], list[float]]] | None]:
+    """Each request's q rows: a model drafter's [d, V], on the device already, or a host drafter's
+    (token ids, probabilities) per draft (suffix decoding), which stay sparse; None: one-hot."""
+    return [m.probs if m is not None else req.draft_q[:d] if req.draft_q and d else None
+            for req, m, d in zip(reqs, model, num_drafts)]

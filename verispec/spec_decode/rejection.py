@@ -56,13 +56,51 @@ class RowOutcome:
 
 
 @dataclass(slots=True)
+class SparseQ:
+    """A host drafter's q rows (suffix decoding: a branch's children and their shares) as each
+    row's few (token, probability) pairs, [N, m] padded with probability 0 at token 0. The q rule
+    then touches m entries a row instead of a dense [N, V] q: the same numbers, bitwise, as the
+    dense rows (`residual_` and `at` say why), for a fraction of the work."""
+
+    ids: torch.Tensor  # [N, m] int64
+    probs: torch.Tensor  # [N, m] float32
+
+    @classmethod
+    def build(cls, rows: list[tuple[list[int], list[float]]], device: torch.device) -> "SparseQ":
+        width = max(1, max(len(ids) for ids, _ in rows))
+        ids = [list(i) + [0] * (width - len(i)) for i, _ in rows]
+        probs = [list(p) + [0.0] * (width - len(p)) for _, p in rows]
+        return cls(to_device(ids, dtype=torch.long, device=device), to_device(probs, dtype=torch.float32, device=device))
+
+    def at(self, tokens: torch.Tensor) -> torch.Tensor:
+        """q(token) per row, float64 ([N, 1] tokens): the one matching entry plus zeros, exact."""
+        return torch.where(self.ids == tokens, self.probs, 0.0).sum(dim=-1).double()
+
+    def dense(self, vocab: int) -> torch.Tensor:
+        """The [N, V] rows (a step that also holds a model drafter's dense q)."""
+        out = torch.zeros(self.ids.shape[0], vocab, device=self.ids.device)
+        return out.scatter_add_(1, self.ids, self.probs)  # padding adds 0.0 to token 0
+
+    def residual_(self, probs: torch.Tensor, recover: torch.Tensor) -> torch.Tensor:
+        """`recovery_weights(probs, dense q, recover)` written into `probs`: p - q, then clamped at
+        0, only where q has entries. p + (-q * r) is the dense p - q * r for r in {0, 1}, and the
+        padding adds -0.0, so the result is the dense one bit for bit."""
+        probs.scatter_add_(1, self.ids, self.probs * -recover[:, None].to(probs.dtype))
+        return probs.scatter_(1, self.ids, probs.gather(1, self.ids).clamp_min_(0.0))
+
+    def select(self, index: torch.Tensor) -> "SparseQ":
+        return SparseQ(self.ids[index], self.probs[index])
+
+
+@dataclass(slots=True)
 class RowDraws:
     """What each candidate row's test and draws need beyond its logits, built on the host from
     the rows' noise keys (`RowSpec.noise_key`, the one place keys are made)."""
 
     greedy: torch.Tensor | None  # [N] bool; None: every row is greedy
     sample_u: torch.Tensor | None  # [N] float64 U(0,1) `sample` draws (1.0 on greedy rows); None: all greedy
-    q: torch.Tensor | None = None  # [N, V] draft probabilities (zeros where unused); None: all one-hot
+    # [N, V] draft probabilities (zeros where unused), or a host drafter's sparse rows; None: all one-hot
+    q: torch.Tensor | SparseQ | None = None
     uses_q: torch.Tensor | None = None  # [N] bool: the row verifies a q-draft of a random request
     accept_u: torch.Tensor | None = None  # [N] float64 U(0,1) `accept` draws
     recover_u: torch.Tensor | None = None  # [N] float64 U(0,1) `recover` draws
@@ -70,10 +108,11 @@ class RowDraws:
     any_greedy: bool = True
 
     @classmethod
-    def build(cls, rows: list[list[RowSpec]], q: list[torch.Tensor | None], vocab: int,
-              device: torch.device) -> "RowDraws":
+    def build(cls, rows: list[list[RowSpec]], q: list[torch.Tensor | list[tuple[list[int], list[float]]] | None],
+              vocab: int, device: torch.device) -> "RowDraws":
         """rows[i]: request i's candidate rows (one per draft, then the bonus); q[i]: its drafts'
-        q rows [d_i, V], or None for one-hot drafts."""
+        q rows, [d_i, V] on the device (a model drafter) or (token ids, probabilities) per draft
+        (a host drafter), or None for one-hot drafts."""
         flat = [spec for group in rows for spec in group]
         greedy = [spec.params.greedy for spec in flat]
         if all(greedy):
@@ -86,9 +125,7 @@ class RowDraws:
             return draws
         # Only a q-draft's own row draws `accept` and `recover`; bonus rows and one-hot requests do not.
         uses = [has and j < len(group) - 1 for has, group in zip(with_q, rows) for j in range(len(group))]
-        draws.q = torch.cat([torch.cat([x, x.new_zeros(1, vocab)]) if has else
-                             torch.zeros(len(group), vocab, device=device)
-                             for x, has, group in zip(q, with_q, rows)])
+        draws.q = _q_rows(q, with_q, rows, vocab, device)
         draws.uses_q = to_device(uses, dtype=torch.bool, device=device)
         draws.accept_u = uniform_values([s.noise_key("accept") if u else None for s, u in zip(flat, uses)], device)
         draws.recover_u = uniform_values([s.noise_key("recover") if u else None for s, u in zip(flat, uses)], device)
@@ -96,9 +133,25 @@ class RowDraws:
 
     def select(self, index: torch.Tensor) -> "RowDraws":
         """The draws of candidate rows `index` (a device tensor)."""
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        pick = lambda t: None if t is None else t.select(index) if isinstance(t, SparseQ) else t[index]  # noqa: E731
         return replace(self, greedy=pick(self.greedy), sample_u=pick(self.sample_u), q=pick(self.q),
                        uses_q=pick(self.uses_q), accept_u=pick(self.accept_u), recover_u=pick(self.recover_u))
+
+
+def _q_rows(q: list, with_q: list[bool], rows: list[list[RowSpec]], vocab: int,
+            device: torch.device) -> torch.Tensor | SparseQ:
+    """Every candidate row's q: sparse where every q is a host drafter's, else dense [N, V] (zeros
+    on the bonus rows and on requests without q)."""
+    if not any(isinstance(x, torch.Tensor) for x, has in zip(q, with_q) if has):
+        none: tuple[list[int], list[float]] = ([], [])
+        return SparseQ.build([pair for x, has, group in zip(q, with_q, rows)
+                              for pair in ([*x, none] if has else [none] * len(group))], device)
+    blocks = []
+    for x, has, group in zip(q, with_q, rows):
+        if has and not isinstance(x, torch.Tensor):  # host rows beside a model drafter's: one step never has both
+            x = SparseQ.build(x, device).dense(vocab)
+        blocks.append(torch.cat([x, x.new_zeros(1, vocab)]) if has else torch.zeros(len(group), vocab, device=device))
+    return torch.cat(blocks)
 
 
 def recovery_weights(probs: torch.Tensor, q: torch.Tensor, recover: torch.Tensor) -> torch.Tensor:
@@ -125,11 +178,13 @@ def row_outcomes(
         return _outcome(drafts == winners, winners, drafts, is_bonus)
     index = drafts.clamp_min(0)[:, None]  # a bonus row's placeholder is never tested
     recover = draws.uses_q & ~is_bonus
-    weights = recovery_weights(probs, draws.q, recover)
+    p_draft = probs.gather(-1, index).squeeze(-1).double()  # before a sparse q's residual overwrites probs
+    if isinstance(draws.q, SparseQ):
+        q_draft, weights = draws.q.at(index), draws.q.residual_(probs, recover)
+    else:
+        q_draft, weights = draws.q.gather(-1, index).squeeze(-1).double(), recovery_weights(probs, draws.q, recover)
     drawn = inverse_cdf(weights, torch.where(recover, draws.recover_u, draws.sample_u))
     winners = _with_greedy(processed, draws, drawn)  # on a row that tests a q-draft, its recovered token
-    p_draft = probs.gather(-1, index).squeeze(-1).double()
-    q_draft = draws.q.gather(-1, index).squeeze(-1).double()
     accept_q = (draws.accept_u * q_draft <= p_draft) & (q_draft > 0)
     return _outcome(torch.where(draws.uses_q, accept_q, drafts == winners), winners, drafts, is_bonus)
 
