@@ -421,3 +421,52 @@ def test_a_drafts_calibrated_survival_is_the_running_product_of_its_buckets():
             expected.append(running)
         assert ctl.calibrated_survival(peaks, greedy) == pytest.approx(expected, rel=1e-15)
     assert ctl.calibrated_survival([], greedy=False) == []
+
+
+def test_a_streak_of_refused_steps_spaces_out_the_drafters_proposals_and_one_admitted_draft_ends_it():
+    """The drafter proposes every step until REFUSAL_STREAK planned steps in a row verify no
+    draft; then every n-th step, n growing with the streak up to MAX_DRAFT_INTERVAL; a step whose
+    budget admits a draft restores every step."""
+    from types import SimpleNamespace
+
+    from verispec.spec_decode.adaptive import MAX_DRAFT_INTERVAL, REFUSAL_STREAK
+
+    # A step of 4 tokens costs 1 s and each draft row 1 s more: no draft ever pays.
+    ctl = AdaptiveController(2, CostModel([4, 8], [1.0, 5.0]), exact_host_scores=True)
+
+    def step(score: float) -> list[int]:
+        entries = [SimpleNamespace(request=SimpleNamespace(params=SimpleNamespace(greedy=True), spec_history=None,
+                                                           draft_confidence=None),
+                                   draft_token_ids=[7, 8], samples=True, num_new_tokens=1) for _ in range(4)]
+        for e in entries:
+            e.request.spec_history = uniform_history(ctl, score)
+        ctl.plan(entries)
+        return [len(e.draft_token_ids) for e in entries]
+
+    def proposals(steps: int) -> list[bool]:
+        out = []
+        for _ in range(steps):
+            drafts = ctl.should_draft()
+            out.append(drafts)
+            if drafts:
+                assert step(0.5) == [0, 0, 0, 0]  # refused: every draft trimmed away
+        return out
+
+    assert proposals(REFUSAL_STREAK) == [True] * REFUSAL_STREAK
+    assert ctl.refused == REFUSAL_STREAK
+    assert proposals(4) == [False, True, False, True]  # every other step
+    long = proposals(400)
+    gaps = [b - a for a, b in zip([i for i, x in enumerate(long) if x], [i for i, x in enumerate(long) if x][1:])]
+    assert max(gaps) == MAX_DRAFT_INTERVAL and gaps == sorted(gaps)  # widening, then capped
+    ctl.cost = CostModel([4, 8], [1.0, 1.0])  # draft rows now free: the next proposal is admitted
+    while not ctl.should_draft():
+        pass
+    assert step(0.9) == [2, 2, 2, 2] and ctl.refused == 0
+    assert [ctl.should_draft() for _ in range(3)] == [True] * 3
+
+
+def uniform_history(ctl, score: float):
+    """A request history whose per-position confidence is `score` everywhere."""
+    from verispec.spec_decode.adaptive import RequestHistory
+
+    return RequestHistory(confidence=[score] * ctl.k)

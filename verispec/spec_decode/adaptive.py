@@ -60,6 +60,11 @@ COST_LEARNING_RATE = 0.2
 # The profile also times n + 1 rows for every power of two n in this range (CostModel.profile):
 # where a step's decode rows fill whole tiles, the first draft rows open a new one.
 TILE_EDGE_MIN, TILE_EDGE_MAX = 4, 64
+# After this many planned steps in a row that verified no draft, the drafter proposes only every
+# other step, after twice as many every third, and so on up to every MAX_DRAFT_INTERVAL-th: its
+# host work (0.5 ms of a 22 ms step at 16 rollouts) buys nothing while every draft is refused.
+REFUSAL_STREAK = 4
+MAX_DRAFT_INTERVAL = 8
 # Left edges of the q-peak buckets of the calibration table.
 Q_BUCKET_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 _EDGES = np.asarray(Q_BUCKET_EDGES)  # numpy converts a tuple on every call
@@ -285,6 +290,20 @@ class AdaptiveController:
         self.calibration = [[PRIOR_CONFIDENCE] * len(Q_BUCKET_EDGES) for _ in range(2)]
         self.calibration_counts = [[0] * len(Q_BUCKET_EDGES) for _ in range(2)]
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
+        self.refused = 0  # planned steps in a row whose budget was 0
+        self._since_draft = 0  # steps since the drafter last proposed
+
+    def should_draft(self) -> bool:
+        """Whether the drafter proposes for the next step (the engine asks once a step). Always,
+        until REFUSAL_STREAK steps in a row verified no draft; then every n-th step, n growing
+        with the streak; the first step that verifies a draft ends the streak. The answer depends
+        on earlier steps only, never on a draft's value, so verification stays exact."""
+        interval = min(MAX_DRAFT_INTERVAL, 1 + self.refused // REFUSAL_STREAK)
+        self._since_draft += 1
+        if self._since_draft < interval:
+            return False
+        self._since_draft = 0
+        return True
 
     def calibrated(self, q: float, greedy: bool) -> float:
         return self.calibration[0 if greedy else 1][q_bucket(q)]
@@ -329,8 +348,9 @@ class AdaptiveController:
         base = sum(s.num_new_tokens for s in scheduled)
         flat = [x for row in scores for x in row]
         budget = choose_budget(flat, num_emitting, base, self.cost)
+        self.refused = self.refused + 1 if budget == 0 else 0
         keep = budget if self.exact_host_scores else min(len(flat), budget + max(1, budget // 4))
-        for s, n in zip(drafting, top_slots_per_request(scores, keep)):
+        for s, n in zip(drafting, top_slots_per_request(scores, keep) if keep else [0] * len(drafting)):
             s.draft_token_ids = s.draft_token_ids[:n]
         self.stats.num_steps += 1
         self.stats.budget_total += budget
