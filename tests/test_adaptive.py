@@ -8,10 +8,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from conftest import examples, make_tiny_checkpoint
+from conftest import make_tiny_checkpoint
 from test_spec_decode import (  # noqa: F401 - small_vocab_model and other_draft are fixtures
     PROMPT16,
     assert_same_logprobs,
@@ -25,71 +23,13 @@ from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
 from verispec.spec_decode import verify as verify_mod
 from verispec.spec_decode.adaptive import (
-    GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, admit, choose_budget, top_slots_per_request,
+    GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, admit, top_slots_per_request,
 )
 
 # A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
 # them. Budgets land strictly between "verify nothing" and "verify everything" at every batch size
 # tested, so the device really chooses.
 COST = [[1, 1.0], [64, 2.3], [256, 22.0]]
-
-
-# ------------------------------------------------------------------------------ the budget
-def objective(scores, b, num_emitting, base, cost) -> float:
-    return (num_emitting + sum(sorted(scores, reverse=True)[:b])) / cost(base + b)
-
-
-def test_choose_budget_on_a_hand_made_table():
-    cost = CostModel([1, 2, 3, 4, 5], [1.0, 1.1, 1.2, 3.0, 3.1])
-    # 1 emitting request: B=0 -> 1/1.0, B=1 -> 1.9/1.1 = 1.73, B=2 -> 2.7/1.2 = 2.25,
-    # B=3 -> 3.2/3.0 = 1.07, B=4 -> 3.3/3.1 = 1.06: the third token makes the step 2.5x dearer.
-    assert choose_budget([0.5, 0.9, 0.1, 0.8], 1, 1, cost) == 2
-    # Nothing worth verifying: worthless drafts still cost a little.
-    assert choose_budget([0.0, 0.0], 4, 4, CostModel([1, 100], [1.0, 2.0])) == 0
-    # A free forward: verify every draft with any chance.
-    assert choose_budget([0.3, 0.2, 0.1], 1, 1, CostModel([1, 100], [1.0, 1.0])) == 3
-
-
-@settings(max_examples=examples(200), deadline=None)
-@given(
-    scores=st.lists(st.floats(0, 1), max_size=12),
-    num_emitting=st.integers(1, 6),
-    base=st.integers(1, 20),
-    costs=st.lists(st.floats(0.01, 10), min_size=2, max_size=6),
-)
-def test_choose_budget_maximises_the_objective(scores, num_emitting, base, costs):
-    cost = CostModel([1 + 7 * i for i in range(len(costs))], costs)
-    b = choose_budget(scores, num_emitting, base, cost)
-    best = max(objective(scores, x, num_emitting, base, cost) for x in range(len(scores) + 1))
-    assert 0 <= b <= len(scores)
-    assert objective(scores, b, num_emitting, base, cost) >= best * (1 - 1e-9)
-
-
-def budget_by_budget(scores, num_emitting, base, cost) -> int:
-    """choose_budget's rule with one cost lookup per budget: the reference for the vectorized one."""
-    best_b, best, gain = 0, num_emitting / cost(base), float(num_emitting)
-    for b, s in enumerate(sorted(scores, reverse=True), start=1):
-        gain += s
-        if gain / cost(base + b) > best * (1 + 1e-12):
-            best_b, best = b, gain / cost(base + b)
-    return best_b
-
-
-@settings(max_examples=examples(200), deadline=None)
-@given(
-    scores=st.lists(st.sampled_from([0.0, 0.25, 0.5, 0.8, 1.0]) | st.floats(0, 1), max_size=40),
-    num_emitting=st.integers(1, 32),
-    base=st.integers(1, 40),
-    costs=st.lists(st.floats(0.001, 10), min_size=1, max_size=6),
-    overhead=st.floats(-0.0005, 0.01),
-)
-def test_all_budgets_at_once_choose_as_one_at_a_time(scores, num_emitting, base, costs, overhead):
-    """The costs of every budget in one array are the scalar costs to the bit (interpolated and
-    extrapolated past the table, plus the learnt overhead), so the choice is the same, ties too."""
-    cost = CostModel([1 + 5 * i for i in range(len(costs))], costs, overhead=overhead)
-    ns = list(range(1, base + len(scores) + 40))
-    assert cost.many(ns).tolist() == [cost(n) for n in ns]
-    assert choose_budget(scores, num_emitting, base, cost) == budget_by_budget(scores, num_emitting, base, cost)
 
 
 def test_cost_model_interpolates_extrapolates_and_never_falls():
@@ -427,17 +367,13 @@ def test_a_streak_of_refused_steps_spaces_out_the_drafters_proposals_and_one_adm
     """The drafter proposes every step until REFUSAL_STREAK planned steps in a row verify no
     draft; then every n-th step, n growing with the streak up to MAX_DRAFT_INTERVAL; a step whose
     budget admits a draft restores every step."""
-    from types import SimpleNamespace
-
     from verispec.spec_decode.adaptive import MAX_DRAFT_INTERVAL, REFUSAL_STREAK
 
     # A step of 4 tokens costs 1 s and each draft row 1 s more: no draft ever pays.
     ctl = AdaptiveController(2, CostModel([4, 8], [1.0, 5.0]), exact_host_scores=True)
 
     def step(score: float) -> list[int]:
-        entries = [SimpleNamespace(request=SimpleNamespace(params=SimpleNamespace(greedy=True), spec_history=None,
-                                                           draft_confidence=None),
-                                   draft_token_ids=[7, 8], samples=True, num_new_tokens=1) for _ in range(4)]
+        entries = [entry(f"r{i}", [7, 8]) for i in range(4)]
         for e in entries:
             e.request.spec_history = uniform_history(ctl, score)
         ctl.plan(entries)
@@ -463,6 +399,15 @@ def test_a_streak_of_refused_steps_spaces_out_the_drafters_proposals_and_one_adm
         pass
     assert step(0.9) == [2, 2, 2, 2] and ctl.refused == 0
     assert [ctl.should_draft() for _ in range(3)] == [True] * 3
+
+
+def entry(group: str, drafts: list[int], written: int = 0, greedy: bool = True):
+    """A scheduled decode entry of a request of `group` that has written `written` of 64 tokens."""
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(params=SimpleNamespace(greedy=greedy), spec_history=None, draft_confidence=None,
+                          group=group, max_tokens=64, num_output_tokens=written)
+    return SimpleNamespace(request=req, draft_token_ids=list(drafts), samples=True, num_new_tokens=1)
 
 
 def uniform_history(ctl, score: float):

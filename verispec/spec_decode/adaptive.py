@@ -20,7 +20,7 @@ chance that drafts 1..j are all accepted; c is the slot's confidence:
 
 A step that verifies B drafts for R sampling requests emits R + (expected accepted drafts) tokens
 and costs about cost(base_tokens + B) where the cost is the target's forward time profiled at
-start-up. The host picks B from the scores it already has (ngram: this step's; model drafters:
+start-up; for the n samples of one request only what moves their slowest counts (budget.py). The host picks B from the scores it already has (ngram: this step's; model drafters:
 each request's survivals from its previous step, copied back with the step's one D2H copy), so it
 never waits for the device. It also trims each request's drafts to the host's own top slots (plus
 a little slack for model drafters, whose true scores it does not know yet): those tokens run
@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from verispec.device_copy import to_device
+from verispec.spec_decode.budget import Groups, best_prefix, completion_gains
 
 # Per-request EMA weight of the newest accept/reject outcome (ngram confidences).
 REQUEST_EMA = 0.3
@@ -181,20 +182,6 @@ class CostModel:
         return cls(grid, [best[n] for n in grid], learn=True)
 
 
-def choose_budget(scores: list[float], num_emitting: int, base_tokens: int, cost: CostModel) -> int:
-    """The B in [0, len(scores)] maximising (num_emitting + sum of the B best scores) /
-    cost(base_tokens + B): expected tokens emitted per second. Ties go to the smaller B."""
-    # Every B's gain (a running sum, in rank order) and cost at once: a batch of 32 requests with
-    # 6 drafts each weighs 193 budgets a step, and one cost lookup each took a millisecond.
-    gains = np.cumsum([float(num_emitting), *sorted(scores, reverse=True)])
-    values = (gains / cost.many(base_tokens + np.arange(len(gains)))).tolist()
-    best_b, best = 0, values[0]
-    for b in range(1, len(values)):
-        if values[b] > best * (1 + 1e-12):
-            best_b, best = b, values[b]
-    return best_b
-
-
 def admission_keys(scores: torch.Tensor) -> torch.Tensor:
     """[R, K] float64 keys that order the slots: the score, less a tiny penalty per position and a
     tinier one per request. Scores never rise along a request, so keys strictly fall: whether
@@ -207,14 +194,20 @@ def admission_keys(scores: torch.Tensor) -> torch.Tensor:
     return scores.double() - 1e-9 * j - 1e-13 * i
 
 
-def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
-    """Host twin of `admit`: how many of each request's slots fall in the `budget` best. The keys
-    are `admission_keys`' own arithmetic in Python floats (the score rounded to float32, then the
-    same two float64 subtractions), so host and device rank alike without building a tensor."""
+def admission_order(scores: list[list[float]]) -> list[int]:
+    """Host twin of `admit`'s ranking: the request of every slot, best key first (a request's
+    slots come in draft order). The keys are `admission_keys`' own arithmetic in Python floats
+    (the score rounded to float32, then the same two float64 subtractions), so host and device
+    rank alike without building a tensor."""
     keys = [(-((x - 1e-9 * j) - 1e-13 * i), i) for i, row in enumerate(scores)
             for j, x in enumerate(np.asarray(row, dtype=np.float32).tolist())]
+    return [i for _, i in sorted(keys)]
+
+
+def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
+    """How many of each request's slots fall in the `budget` best (what `admit` gives)."""
     counts = [0] * len(scores)
-    for _, i in sorted(keys)[:budget]:
+    for i in admission_order(scores)[:budget]:
         counts[i] += 1
     return counts
 
@@ -344,13 +337,23 @@ class AdaptiveController:
         if not drafting:
             return None
         scores = [self.host_scores(s.request, len(s.draft_token_ids)) for s in drafting]
-        num_emitting = sum(1 for s in scheduled if s.samples)
         base = sum(s.num_new_tokens for s in scheduled)
-        flat = [x for row in scores for x in row]
-        budget = choose_budget(flat, num_emitting, base, self.cost)
+        groups = Groups.of(scheduled, drafting)
+        # Laggards' slots rank first: a member ahead of them is worth a row at most, and the
+        # budget is a prefix of this order (its status depends on emitted tokens, not drafts).
+        ranked = admission_order(scores)
+        order = [i for i in ranked if groups.laggard[i]] + [i for i in ranked if not groups.laggard[i]]
+        # A member ahead of its group's laggards saves a row of a later step (the table's slope
+        # here) for every waiting client: c' / T of a step each.
+        row_weight = groups.num_waiting * (self.cost.table(base) - self.cost.table(base - 1)) / self.cost(base)
+        gains = completion_gains(scores, order, groups, row_weight)
+        budget = best_prefix(gains, groups.num_waiting, base, self.cost)
         self.refused = self.refused + 1 if budget == 0 else 0
-        keep = budget if self.exact_host_scores else min(len(flat), budget + max(1, budget // 4))
-        for s, n in zip(drafting, top_slots_per_request(scores, keep) if keep else [0] * len(drafting)):
+        keep = budget if self.exact_host_scores else min(len(order), budget + max(1, budget // 4))
+        counts = [0] * len(drafting)
+        for i in order[:keep]:
+            counts[i] += 1
+        for s, n in zip(drafting, counts):
             s.draft_token_ids = s.draft_token_ids[:n]
         self.stats.num_steps += 1
         self.stats.budget_total += budget
