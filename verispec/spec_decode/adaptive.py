@@ -94,6 +94,8 @@ class CostModel:
     seconds: list[float]
     learn: bool = False
     overhead: float = 0.0  # seconds per step beyond the table (learnt; may be negative)
+    # Single lookups by token count: every step looks one up (0.1 ms through numpy each time).
+    _memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.seconds) or not self.tokens:
@@ -117,7 +119,9 @@ class CostModel:
         return out
 
     def table(self, num_tokens: int) -> float:
-        return float(self.tables([num_tokens])[0])
+        if (cost := self._memo.get(num_tokens)) is None:
+            cost = self._memo[num_tokens] = float(self.tables([num_tokens])[0])
+        return cost
 
     def __call__(self, num_tokens: int) -> float:
         return self.table(num_tokens) + self.overhead
