@@ -180,3 +180,17 @@ def test_without_a_compiler_the_engine_refuses_at_start_up(monkeypatch):
     monkeypatch.setattr(suffix_mod, "suffix_tree_module", unavailable)
     with pytest.raises(RuntimeError, match="method 'suffix' needs its C\\+\\+ suffix tree: no C\\+\\+ compiler"):
         SuffixDrafter(suffix_config())
+
+
+def test_a_step_that_does_not_draft_still_retires_finished_requests(tiny_llama):
+    """Adaptive verification asks for drafts only every n-th step after a streak of refusals; the
+    requests that finished in between still leave the live set at once, their outputs cached."""
+    from verispec.spec_decode.adaptive import REFUSAL_STREAK
+
+    spec = {"method": "suffix", "adaptive_verification": True, "cost_table": [[1, 0.01], [64, 10.0]]}
+    llm = LLM(tiny_llama, speculative_config=spec)  # a draft row costs 0.16 s: none ever pays
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm.generate(repetitive_prompts(4, seed=5), params, use_tqdm=False)
+    cache = llm.engine.drafter.cache
+    assert llm.engine.adaptive.refused > 2 * REFUSAL_STREAK and llm.stats()["num_drafts"] == 0
+    assert cache.live == {} and cache.requests == {} and cache.stats().cached_requests == 4

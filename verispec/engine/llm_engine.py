@@ -317,8 +317,9 @@ class LLMEngine:
                 logger.warning("request %s failed: %s", req.request_id, error)
                 self._fail(req, error, "invalid")
                 errored.add(req.request_id)
-        if self.drafter is not None and (self.adaptive is None or self.adaptive.should_draft()):
-            self.drafter.propose(self.scheduler.running, self.max_model_len)
+        if self.drafter is not None:  # a step that does not draft still retires finished requests
+            drafting = self.adaptive is None or self.adaptive.should_draft()
+            self.drafter.propose(self.scheduler.running if drafting else [], self.max_model_len)
         if self.adaptive is not None and not failed:
             # The step's real cost, for the budget's cost model (drafts as trimmed by the plan).
             self.adaptive.cost.observe(sched.num_tokens, time.perf_counter() - start)
