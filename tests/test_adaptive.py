@@ -23,7 +23,7 @@ from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
 from verispec.spec_decode import verify as verify_mod
 from verispec.spec_decode.adaptive import (
-    GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, admit, top_slots_per_request,
+    GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, admission_order, admit, slot_counts,
 )
 
 # A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
@@ -93,7 +93,7 @@ def test_admission_gives_prefix_capacities_that_fill_the_budget(seed):
     for budget in range(total + 1):
         caps = admit(scores, budget)
         assert caps.sum().item() == budget
-        assert caps.tolist() == top_slots_per_request(host, budget)
+        assert caps.tolist() == slot_counts(admission_order(host), len(host), budget)
         # The admitted slots are exactly the `budget` best scores (up to ties at the threshold).
         admitted = sorted((s for h, c in zip(host, caps.tolist()) for s in h[:c]), reverse=True)
         assert admitted == sorted((s for h in host for s in h), reverse=True)[:budget]

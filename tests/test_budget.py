@@ -16,10 +16,15 @@ from hypothesis import strategies as st
 from conftest import examples
 from test_adaptive import entry, uniform_history
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel, admission_order
-from verispec.spec_decode.budget import Groups, choose_budget, completion_gains
+from verispec.spec_decode.budget import Groups, best_prefix, completion_gains
 
 
 # ------------------------------------------------------------------------------ requests alone
+def choose_budget(scores: list[float], num_emitting: int, base: int, cost: CostModel) -> int:
+    """The budget of requests alone: each slot gains its score, best first."""
+    return best_prefix(sorted(scores, reverse=True), num_emitting, base, cost)
+
+
 def objective(scores, b, num_emitting, base, cost) -> float:
     return (num_emitting + sum(sorted(scores, reverse=True)[:b])) / cost(base + b)
 
@@ -75,8 +80,6 @@ def test_all_budgets_at_once_choose_as_one_at_a_time(scores, num_emitting, base,
     ns = list(range(1, base + len(scores) + 40))
     assert cost.many(ns).tolist() == [cost(n) for n in ns]
     assert choose_budget(scores, num_emitting, base, cost) == budget_by_budget(scores, num_emitting, base, cost)
-
-
 
 
 # ------------------------------------------------------------------------------ groups of samples

@@ -20,8 +20,9 @@ chance that drafts 1..j are all accepted; c is the slot's confidence:
 
 A step that verifies B drafts for R sampling requests emits R + (expected accepted drafts) tokens
 and costs about cost(base_tokens + B) where the cost is the target's forward time profiled at
-start-up; for the n samples of one request only what moves their slowest counts (budget.py). The host picks B from the scores it already has (ngram: this step's; model drafters:
-each request's survivals from its previous step, copied back with the step's one D2H copy), so it
+start-up; for the n samples of one request only what moves their slowest counts (budget.py).
+The host picks B from the scores it already has (ngram: this step's; model drafters: each
+request's survivals from its previous step, copied back with the step's one D2H copy), so it
 never waits for the device. It also trims each request's drafts to the host's own top slots (plus
 a little slack for model drafters, whose true scores it does not know yet): those tokens run
 through the forward. For ngram the host's scores are this step's own, so that trim is the
@@ -109,7 +110,7 @@ class CostModel:
     def tables(self, num_tokens) -> np.ndarray:
         """The table's cost for every n of an integer array: interpolated, or extrapolated from
         the last two points past the last one. One computation serves a step's every budget
-        (`choose_budget` weighs up to 193 a step) and the single lookups alike."""
+        (`best_prefix` weighs up to 193 a step) and the single lookups alike."""
         t, s = self.tokens, self.seconds
         n = np.asarray(num_tokens, dtype=np.int64)
         out = np.interp(n, t, s)
@@ -209,10 +210,11 @@ def admission_order(scores: list[list[float]]) -> list[int]:
     return [i for _, i in sorted(keys)]
 
 
-def top_slots_per_request(scores: list[list[float]], budget: int) -> list[int]:
-    """How many of each request's slots fall in the `budget` best (what `admit` gives)."""
-    counts = [0] * len(scores)
-    for i in admission_order(scores)[:budget]:
+def slot_counts(order: list[int], num_requests: int, budget: int) -> list[int]:
+    """How many of each request's slots the first `budget` of `order` hold: its capacity (in
+    `admission_order`, what `admit` gives)."""
+    counts = [0] * num_requests
+    for i in order[:budget]:
         counts[i] += 1
     return counts
 
@@ -355,10 +357,7 @@ class AdaptiveController:
         budget = best_prefix(gains, groups.num_waiting, base, self.cost)
         self.refused = self.refused + 1 if budget == 0 else 0
         keep = budget if self.exact_host_scores else min(len(order), budget + max(1, budget // 4))
-        counts = [0] * len(drafting)
-        for i in order[:keep]:
-            counts[i] += 1
-        for s, n in zip(drafting, counts):
+        for s, n in zip(drafting, slot_counts(order, len(drafting), keep)):
             s.draft_token_ids = s.draft_token_ids[:n]
         self.stats.num_steps += 1
         self.stats.budget_total += budget

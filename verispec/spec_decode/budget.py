@@ -9,10 +9,9 @@ with the most tokens still to write (`max_tokens` less their output): it moves o
 laggard accepts, so drafts of j tokens each take E[min_l A_l] = sum_j prod_l P(A_l >= j) steps
 off it (independent acceptances; P(A_l >= j) is slot j's survival score). A member already ahead
 of its laggards saves only its own row in a later step: c' (the cost table's slope here) for every
-waiting client, c' / T of a step each. This is the step's own
-effect, a lower bound: leads won now also shorten later steps' waits once the laggards catch up,
-so a group of moderate acceptance may verify less than would pay over its whole run. RL
-rollouts are such groups: 8 siblings at temperature 0.8 each land a suffix draft about half the
+waiting client, c' / T of a step each. This is the step's own effect, a lower bound: leads won
+now also shorten later steps' waits once the laggards catch up, so a group of moderate acceptance
+may verify less than would pay over its whole run. RL rollouts are such groups: 8 siblings at temperature 0.8 each land a suffix draft about half the
 time, so a draft for each moves their completion by 0.5^8 of a step; counted as 8 requests alone
 they looked worth verifying, and those steps cost more than they saved (docs/adaptive.md).
 """
@@ -80,12 +79,6 @@ def completion_gains(scores: Sequence[Sequence[float]], order: Sequence[int], gr
             reached[g] = sum(depth[m] > level[g] for m in members[g])
         gains.append(gain)
     return gains
-
-
-def choose_budget(scores: list[float], num_emitting: int, base_tokens: int, cost) -> int:
-    """The B in [0, len(scores)] maximising (num_emitting + sum of the B best scores) /
-    cost(base_tokens + B): expected tokens emitted per second, every request a client alone."""
-    return best_prefix(sorted(scores, reverse=True), num_emitting, base_tokens, cost)
 
 
 def best_prefix(gains: list[float], num_waiting: float, base_tokens: int, cost) -> int:
