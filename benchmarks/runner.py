@@ -34,15 +34,10 @@ from benchmarks.report import (
     machine_info,
     write_json,
 )
+from benchmarks.extras import EXTRAS
 from benchmarks.scenarios import (
     ADAPTIVE_SCENARIO,
-    COST_SCENARIO,
-    PREFIX_SCENARIO,
-    SCALING_SCENARIO,
     SCENARIOS,
-    STRUCTURED_SCENARIO,
-    SUFFIX_SCENARIO,
-    WEIGHTS_SCENARIO,
     SPEC_SCENARIO,
     Scenario,
     build_prompts,
@@ -50,15 +45,9 @@ from benchmarks.scenarios import (
     headlines,
     max_abs_diff,
 )
-from benchmarks.cost_curve import run_cost_curve, write_curve
-from benchmarks.prefix import run_prefix, write_prefix
-from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.spec import SpecRow, run_sweep, write_spec
-from benchmarks.structured import run_structured, write_structured
-from benchmarks.suffix import run_suffix, write_suffix
-from benchmarks.weights import run_weights, write_weights
 from benchmarks.system import PEERS, PLAIN, Generation, PeerUnavailable, System
-from benchmarks.targets import evaluate, format_targets
+from benchmarks.targets import Outcome, evaluate, format_targets
 from benchmarks.tiers import (
     FAST,
     TIERS,
@@ -238,6 +227,90 @@ def _optional(cfg: BenchConfig, state: RunState, scenario: str, what: str, fn: C
         log(f"{scenario} benchmark failed:\n{traceback.format_exc()}")
         return None
 
+
+def _config(cfg: BenchConfig, model_path: str, prompts: dict[str, list[Prompt]], state: RunState) -> dict[str, Any]:
+    """bench.json's record of what ran."""
+    return {
+        "model": model_path,
+        "quick": cfg.quick,
+        "max_tokens": cfg.max_tokens,
+        "runs": cfg.runs,
+        "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
+        "scenarios": {s: _describe(s) for s in cfg.scenarios},
+        "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
+        "peers": cfg.peers,
+        "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
+        "logprobs20_share_of_batch16": _logprobs_share(state.results),
+        "precision": state.precision,  # what each verispec tier's dtype resolved to
+    }
+
+
+def _describe(scenario: str) -> str:
+    if scenario in SCENARIOS:
+        return SCENARIOS[scenario].description()
+    summaries = {x.scenario: x.summary for x in EXTRAS}
+    return summaries.get(scenario, "adaptive verification sweep" if scenario == ADAPTIVE_SCENARIO else "speculative sweep")
+
+
+def _sweeps(cfg: BenchConfig, state: RunState, measured: bool) -> tuple[list[SpecRow], list[AdaptiveRow]]:
+    """The speculative and adaptive sweeps: from the systems' phase, or run here on their own
+    engines where no system ran (the sweeps alone: no bench engines to reuse)."""
+    spec_rows, adaptive_rows = state.spec_rows, state.adaptive_rows
+    if SPEC_SCENARIO in cfg.scenarios and not measured:
+        log("speculative decoding sweep (verispec, batch 1) ...")
+        spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log)
+    if ADAPTIVE_SCENARIO in cfg.scenarios and not measured:
+        log("adaptive verification sweep (verispec, by batch size) ...")
+        adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log, queue=cfg.adaptive_queue)
+    return spec_rows, adaptive_rows
+
+
+def _print_tables(results: list[Result], heads: dict[str, str], outcomes: list[Outcome], state: RunState) -> None:
+    """The systems' tables, the ratios and targets, the fidelity bar, and what was skipped or failed."""
+    print(format_table(results, headline=heads))
+    if ttft_table := format_ttft_table(results):
+        print()
+        print(ttft_table)
+    if any(r.busy for r in results):
+        print(f"(busy): other processes used over {BUSY_CORES} cores during a run; that figure is suspect")
+    if summary := format_ratios(results, heads):
+        print()
+        print(summary)
+    if (share := _logprobs_share(results)) is not None:
+        print(f"verispec throughput with logprobs=20: {share:.1%} of the same batch without logprobs")
+    print()
+    print(format_targets(outcomes))
+    if fidelity_table := format_fidelity_table(state.fidelity):
+        print()
+        print(fidelity_table)
+    for key, why in {**state.skipped, **state.errors}.items():
+        print(f"{key}: {why}")
+
+
+def _write_sections(cfg: BenchConfig, machine: dict[str, Any], spec_rows: list[SpecRow],
+                    adaptive_rows: list[AdaptiveRow], extras: dict[str, Any], state: RunState) -> None:
+    """Each verispec-only section's files and printed table; a run whose greedy output differs is an error."""
+    if spec_rows:
+        print()
+        print(write_spec(cfg.out, machine, spec_rows))
+        if not all(r.identical for r in spec_rows):
+            state.errors["spec"] = "a speculative run's greedy output differs from the non-speculative one"
+    if adaptive_rows:
+        print()
+        print(write_adaptive(cfg.out, machine, adaptive_rows, cfg.max_tokens, cfg.runs, cfg.adaptive_queue))
+        if not all(r.identical for r in adaptive_rows):
+            bad = ", ".join(f"batch {r.batch_size} {r.config}" for r in adaptive_rows if not r.identical)
+            state.errors["adaptive"] = f"greedy output differs from the non-speculative one: {bad}"
+    for extra in EXTRAS:
+        rows = extras.get(extra.scenario)
+        if rows is None:
+            continue
+        print()
+        print(extra.write(cfg.out, machine, rows))
+        if error := extra.check(rows):
+            state.errors[extra.scenario] = error
+
+
 def run(args: argparse.Namespace) -> int:
     # Never reach for the Hub: every model file here is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -267,103 +340,16 @@ def run(args: argparse.Namespace) -> int:
     state = RunState(fidelity_prompts=fidelity_prompts)
     if prompts and not _measure_all(cfg, model_path, threads, tokenizer, prompts, state):
         return 1
-    spec_rows = state.spec_rows
-    if SPEC_SCENARIO in cfg.scenarios and not prompts:  # the sweep alone: no bench engines to reuse
-        log("speculative decoding sweep (verispec, batch 1) ...")
-        spec_rows = run_sweep(cfg.max_tokens, cfg.quick, log)
-    adaptive_rows = state.adaptive_rows
-    if ADAPTIVE_SCENARIO in cfg.scenarios and not prompts:
-        log("adaptive verification sweep (verispec, by batch size) ...")
-        adaptive_rows = run_adaptive(cfg.max_tokens, cfg.runs, cfg.quick, log, queue=cfg.adaptive_queue)
-    prefix = _optional(cfg, state, PREFIX_SCENARIO, "prefix caching: cache on against cache off (verispec, two "
-                       "HTTP servers, then in process)", lambda: run_prefix(tokenizer, cfg.quick, cfg.max_tokens,
-                                                                             cfg.runs, cfg.out, log))
-    structured = _optional(cfg, state, STRUCTURED_SCENARIO, "structured output: a grammar against none (verispec, "
-                           "in process)", lambda: run_structured(tokenizer, cfg.quick, cfg.max_tokens, cfg.runs, log))
-    scaling = _optional(cfg, state, SCALING_SCENARIO, "tensor parallelism: two ranks against one on this machine "
-                        "(verispec, in process)", lambda: run_scaling(tokenizer, cfg.quick, log))
-    curve = _optional(cfg, state, COST_SCENARIO, "the cost curve: step time against rows per tier and kernel "
-                      "(verispec, in process)", lambda: run_cost_curve(cfg.quick, log))
-    weights = _optional(cfg, state, WEIGHTS_SCENARIO, "weight updates in place against a fresh engine (verispec, "
-                        "in process)", lambda: run_weights(cfg.quick, log))
-    suffix = _optional(cfg, state, SUFFIX_SCENARIO, "suffix decoding against ngram and plain: agent loop, code edit, "
-                       "RL rollouts (verispec, in process)", lambda: run_suffix(cfg.quick, cfg.max_tokens, cfg.runs, log))
+    spec_rows, adaptive_rows = _sweeps(cfg, state, measured=bool(prompts))
+    extras = {x.scenario: _optional(cfg, state, x.scenario, x.announce, lambda x=x: x.measure(cfg, tokenizer, log))
+              for x in EXTRAS}
     results, heads = state.results, headlines()
     machine = machine_info(threads)
     outcomes = evaluate(results)
-    config: dict[str, Any] = {
-        "model": model_path,
-        "quick": cfg.quick,
-        "max_tokens": cfg.max_tokens,
-        "runs": cfg.runs,
-        "warmup_tokens": min(WARMUP_TOKENS, cfg.max_tokens),
-        "scenarios": {s: SCENARIOS[s].description() if s in SCENARIOS else
-                      "adaptive verification sweep" if s == ADAPTIVE_SCENARIO else
-                      "prefix caching, cache on against off" if s == PREFIX_SCENARIO else
-                      "structured output, a grammar against none" if s == STRUCTURED_SCENARIO else
-                      "tensor parallelism, two ranks against one" if s == SCALING_SCENARIO else
-                      "step time against rows" if s == COST_SCENARIO else
-                      "weight updates in place" if s == WEIGHTS_SCENARIO else
-                      "suffix decoding, three workloads" if s == SUFFIX_SCENARIO else "speculative sweep"
-                      for s in cfg.scenarios},
-        "prompt_tokens": {s: [len(p.ids) for p in ps] for s, ps in prompts.items()},
-        "peers": cfg.peers,
-        "sampling": "greedy; EOS forbidden so each prompt yields exactly max_tokens tokens",
-        "logprobs20_share_of_batch16": _logprobs_share(results),
-        "precision": state.precision,  # what each verispec tier's dtype resolved to
-    }
-    table, ttft_table = format_table(results, headline=heads), format_ttft_table(results)
-    print(table)
-    if ttft_table:
-        print()
-        print(ttft_table)
-    if any(r.busy for r in results):
-        print(f"(busy): other processes used over {BUSY_CORES} cores during a run; that figure is suspect")
-    if summary := format_ratios(results, heads):
-        print()
-        print(summary)
-    if (share := _logprobs_share(results)) is not None:
-        print(f"verispec throughput with logprobs=20: {share:.1%} of the same batch without logprobs")
-    print()
-    print(format_targets(outcomes))
-    if fidelity_table := format_fidelity_table(state.fidelity):
-        print()
-        print(fidelity_table)
-    for key, why in {**state.skipped, **state.errors}.items():
-        print(f"{key}: {why}")
+    _print_tables(results, heads, outcomes, state)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    if spec_rows:
-        print()
-        print(write_spec(cfg.out, machine, spec_rows))
-        if not all(r.identical for r in spec_rows):
-            state.errors["spec"] = "a speculative run's greedy output differs from the non-speculative one"
-    if adaptive_rows:
-        print()
-        print(write_adaptive(cfg.out, machine, adaptive_rows, cfg.max_tokens, cfg.runs, cfg.adaptive_queue))
-        if not all(r.identical for r in adaptive_rows):
-            bad = ", ".join(f"batch {r.batch_size} {r.config}" for r in adaptive_rows if not r.identical)
-            state.errors["adaptive"] = f"greedy output differs from the non-speculative one: {bad}"
-    if prefix is not None:
-        print()
-        print(write_prefix(cfg.out, machine, prefix))
-    if structured is not None:
-        print()
-        print(write_structured(cfg.out, machine, structured))
-    if scaling is not None:
-        print()
-        print(write_scaling(cfg.out, machine, scaling))
-    if curve is not None:
-        print()
-        print(write_curve(cfg.out, machine, curve))
-    if weights is not None:
-        print()
-        print(write_weights(cfg.out, machine, weights))
-    if suffix is not None:
-        print()
-        print(write_suffix(cfg.out, machine, suffix))
-        if any(r.identical == "NO" for r in suffix):
-            state.errors["suffix"] = "a speculative run's greedy output differs from the plain one"
-    doc = {"machine": machine, "config": config, "skipped": state.skipped, "errors": state.errors,
+    _write_sections(cfg, machine, spec_rows, adaptive_rows, extras, state)
+    doc = {"machine": machine, "config": _config(cfg, model_path, prompts, state), "skipped": state.skipped, "errors": state.errors,
            "targets": [{"name": o.target.name, "ratio": o.ratio, "status": o.status} for o in outcomes],
            "fidelity": {r.tier: r.to_json() for r in state.fidelity}}
     write_json(cfg.out / "bench.json", doc, results, heads)

@@ -223,3 +223,28 @@ def score_rows(scores: torch.Tensor, num_topk: int, selected: torch.Tensor, cust
     custom = [c.tolist() for c in custom_ids] if custom_ids is not None else [None] * r
     scoring = RequestScoring.build([mode] * r, [num_topk] * r, custom, scores.shape[1], scores.device)
     return scoring.score(scores, None, selected, torch.arange(r))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    """A tiny llama of 16 tokens (path, HF model): the chi-square tests' target."""
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("v16") / "m", "llama", vocab_size=16, initializer_range=0.3)
+    return path, hf_model(path)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, small_vocab_model):
+    """A draft model with the same shape and vocab but different weights (drafts often rejected)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("d16") / "d", "llama", seed=99, vocab_size=16,
+                                initializer_range=0.3, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory, smollm2_path) -> str:
+    """A tiny random llama over SmolLM2's 49152-token vocabulary, with its tokenizer (a grammar
+    needs real tokens)."""
+    from verispec.models.loader import load_tokenizer
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok") / "llama", vocab_size=49152)
+    load_tokenizer(smollm2_path).save_pretrained(path)
+    return path

@@ -10,21 +10,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_checkpoint
-from test_spec_decode import (  # noqa: F401 - small_vocab_model and other_draft are fixtures
-    PROMPT16,
-    assert_same_logprobs,
-    exact_two_token_distribution,
-    other_draft,
-    repetitive_prompts,
-    small_vocab_model,
-)
+from test_spec_decode import PROMPT16, assert_same_logprobs, exact_two_token_distribution, repetitive_prompts
 from test_verify import chi_square
 from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
 from verispec.spec_decode import verify as verify_mod
-from verispec.spec_decode.adaptive import (
-    GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, admission_order, admit, slot_counts,
-)
+from verispec.spec_decode.adaptive import CostModel, admission_order, admit, slot_counts
 
 # A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
 # them. Budgets land strictly between "verify nothing" and "verify everything" at every batch size
@@ -321,97 +312,3 @@ def test_profile_times_every_grid_size_and_keeps_the_fastest_run(tiny_llama, mon
     # The doubling grid, and one past each power of two from 4: the first row of a new tile.
     assert cost.tokens == [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 40] and cost.learn
     assert cost.seconds == pytest.approx([1e-3 * n for n in cost.tokens])
-
-
-def test_a_calibration_bucket_averages_its_first_outcomes_with_the_prior_then_moves_as_an_ema():
-    """The prior counts as PRIOR_WEIGHT outcomes while a bucket is young: after n outcomes the
-    estimate is their mean with the prior's pseudo-outcomes, not 0.8 faded by 0.95 ** n."""
-    from types import SimpleNamespace
-
-    from verispec.spec_decode import adaptive as adaptive_mod
-
-    ctl = AdaptiveController(4, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=True)
-    req = SimpleNamespace(params=SimpleNamespace(greedy=False), spec_history=None)
-    outcomes = [1, 0, 0, 1, 0, 0, 0, 1, 0, 0]  # 30 % of first drafts land, in bucket 0.5
-    for accepted in outcomes:
-        ctl.observe(req, 1, accepted, [0.55])
-    w = adaptive_mod.PRIOR_WEIGHT
-    assert ctl.calibrated(0.55, greedy=False) == pytest.approx((w * PRIOR_CONFIDENCE + sum(outcomes)) / (w + len(outcomes)))
-    assert ctl.calibrated(0.55, greedy=True) == PRIOR_CONFIDENCE  # greedy requests keep their own table
-    for _ in range(200):  # an old bucket: each outcome moves it by GLOBAL_EMA of the gap
-        ctl.observe(req, 1, 0, [0.55])
-    before = ctl.calibrated(0.55, greedy=False)
-    ctl.observe(req, 1, 1, [0.55])
-    assert ctl.calibrated(0.55, greedy=False) == pytest.approx(before + GLOBAL_EMA * (1 - before))
-
-
-def test_a_drafts_calibrated_survival_is_the_running_product_of_its_buckets():
-    """One lookup for a whole draft gives what a lookup per position does, bucket edges included."""
-    from types import SimpleNamespace
-
-    ctl = AdaptiveController(8, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=True)
-    req = SimpleNamespace(params=SimpleNamespace(greedy=False), spec_history=None)
-    for accepted, peak in [(1, 0.55), (0, 0.95), (0, 0.0), (1, 0.3), (0, 0.98)]:
-        ctl.observe(req, 1, accepted, [peak])
-    peaks = [1.0, 0.98, 0.95, 0.55, 0.5, 0.3, 0.01, 0.0]
-    for greedy in (False, True):
-        expected, running = [], 1.0
-        for peak in peaks:
-            running *= ctl.calibrated(peak, greedy)
-            expected.append(running)
-        assert ctl.calibrated_survival(peaks, greedy) == pytest.approx(expected, rel=1e-15)
-    assert ctl.calibrated_survival([], greedy=False) == []
-
-
-def test_a_streak_of_refused_steps_spaces_out_the_drafters_proposals_and_one_admitted_draft_ends_it():
-    """The drafter proposes every step until REFUSAL_STREAK planned steps in a row verify no
-    draft; then every n-th step, n growing with the streak up to MAX_DRAFT_INTERVAL; a step whose
-    budget admits a draft restores every step."""
-    from verispec.spec_decode.adaptive import MAX_DRAFT_INTERVAL, REFUSAL_STREAK
-
-    # A step of 4 tokens costs 1 s and each draft row 1 s more: no draft ever pays.
-    ctl = AdaptiveController(2, CostModel([4, 8], [1.0, 5.0]), exact_host_scores=True)
-
-    def step(score: float) -> list[int]:
-        entries = [entry(f"r{i}", [7, 8]) for i in range(4)]
-        for e in entries:
-            e.request.spec_history = uniform_history(ctl, score)
-        ctl.plan(entries)
-        return [len(e.draft_token_ids) for e in entries]
-
-    def proposals(steps: int) -> list[bool]:
-        out = []
-        for _ in range(steps):
-            drafts = ctl.should_draft()
-            out.append(drafts)
-            if drafts:
-                assert step(0.5) == [0, 0, 0, 0]  # refused: every draft trimmed away
-        return out
-
-    assert proposals(REFUSAL_STREAK) == [True] * REFUSAL_STREAK
-    assert ctl.refused == REFUSAL_STREAK
-    assert proposals(4) == [False, True, False, True]  # every other step
-    long = proposals(400)
-    gaps = [b - a for a, b in zip([i for i, x in enumerate(long) if x], [i for i, x in enumerate(long) if x][1:])]
-    assert max(gaps) == MAX_DRAFT_INTERVAL and gaps == sorted(gaps)  # widening, then capped
-    ctl.cost = CostModel([4, 8], [1.0, 1.0])  # draft rows now free: the next proposal is admitted
-    while not ctl.should_draft():
-        pass
-    assert step(0.9) == [2, 2, 2, 2] and ctl.refused == 0
-    assert [ctl.should_draft() for _ in range(3)] == [True] * 3
-
-
-def entry(group: str, drafts: list[int], written: int = 0, greedy: bool = True):
-    """A scheduled decode entry of a request of `group` that has written `written` of 64 tokens."""
-    from types import SimpleNamespace
-
-    req = SimpleNamespace(params=SimpleNamespace(greedy=greedy), spec_history=None, draft_confidence=None,
-                          group=group, max_tokens=64, num_output_tokens=written)
-    return SimpleNamespace(request=req, draft_token_ids=list(drafts), samples=True, num_new_tokens=1)
-
-
-def uniform_history(ctl, score: float):
-    """A request history whose per-position confidence is `score` everywhere."""
-    from verispec.spec_decode.adaptive import RequestHistory
-
-    return RequestHistory(confidence=[score] * ctl.k)

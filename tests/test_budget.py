@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from test_adaptive import entry, uniform_history
+from adaptive_entries import entry, uniform_history
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel, admission_order
 from verispec.spec_decode.budget import Groups, best_prefix, completion_gains
 

@@ -82,40 +82,63 @@ def test_64_streams_balanced_and_equal_to_in_process(tiny_with_tokenizer):
         srv.stop()
 
 
+def _eight_long_requests(srv) -> tuple[list[threading.Thread], dict[int, object]]:
+    """Eight 1500-token requests, 4 streamed then 4 not, each routed before the next is sent.
+    Prompts under one block: routing is by queue alone, so with nothing finishing the requests
+    alternate, 0 1 0 1 ...: requests 0, 2, 4, 6 run on replica 0."""
+    long = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    results: dict[int, object] = {}
+    started = [threading.Event() for _ in range(8)]
+
+    def streaming(i):
+        with requests.post(srv.url + "/v1/completions", json={**long, "prompt": [5, 6, i], "stream": True},
+                           stream=True, timeout=120) as r:
+            events = []
+            for line in r.iter_lines():
+                if line:
+                    started[i].set()
+                    events.append(line)
+            results[i] = (r.status_code, events)
+
+    def plain(i):
+        started[i].set()
+        r = srv.post("/v1/completions", {**long, "prompt": [5, 6, i]})
+        results[i] = (r.status_code, r.json())
+
+    threads = []
+    for i in range(8):
+        threads.append(threading.Thread(target=streaming if i < 4 else plain, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while sum(r["num_requests_routed"] for r in _replicas(srv)) < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    for event in started:
+        assert event.wait(30)
+    return threads, results
+
+
+def _assert_dead_replicas_requests_failed_and_the_others_finished(results: dict[int, object]) -> None:
+    for i in (0, 2):  # streamed on the dead replica: an error event, then [DONE]
+        status, lines = results[i]
+        assert status == 200 and lines[-1] == b"data: [DONE]"
+        error = json.loads(lines[-2][len(b"data: "):])["error"]
+        assert error["code"] == 503 and "not running" in error["message"]
+    for i in (4, 6):  # not streamed: HTTP 503 in the OpenAI error shape
+        status, body = results[i]
+        assert status == 503 and body["error"]["code"] == 503 and body["error"]["type"] == "ServiceUnavailableError"
+    for i in (1, 3):
+        status, lines = results[i]
+        assert status == 200 and lines[-1] == b"data: [DONE]" and b'"error"' not in lines[-2]
+    for i in (5, 7):
+        status, body = results[i]
+        assert status == 200 and body["usage"]["completion_tokens"] == 1500
+
+
 def test_a_dead_replica_fails_its_requests_and_the_other_serves(tiny_with_tokenizer):
     srv = _serve(tiny_with_tokenizer, "--max-model-len", "2048")
     try:
         pids = [r["engine_core_pid"] for r in _replicas(srv)]
-        # Prompts under one block: routing is by queue alone, so with nothing finishing the
-        # requests alternate, 0 1 0 1 ...: requests 0, 2, 4, 6 run on replica 0.
-        long = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-        results: dict[int, object] = {}
-        started = [threading.Event() for _ in range(8)]
-
-        def streaming(i):
-            with requests.post(srv.url + "/v1/completions", json={**long, "prompt": [5, 6, i], "stream": True},
-                               stream=True, timeout=120) as r:
-                events = []
-                for line in r.iter_lines():
-                    if line:
-                        started[i].set()
-                        events.append(line)
-                results[i] = (r.status_code, events)
-
-        def plain(i):
-            started[i].set()
-            r = srv.post("/v1/completions", {**long, "prompt": [5, 6, i]})
-            results[i] = (r.status_code, r.json())
-
-        threads = []
-        for i in range(8):
-            threads.append(threading.Thread(target=streaming if i < 4 else plain, args=(i,)))
-            threads[-1].start()
-            deadline = time.monotonic() + 30
-            while sum(r["num_requests_routed"] for r in _replicas(srv)) < i + 1 and time.monotonic() < deadline:
-                time.sleep(0.005)
-        for event in started:
-            assert event.wait(30)
+        threads, results = _eight_long_requests(srv)
         replicas = _replicas(srv)
         assert [r["num_requests_in_flight"] for r in replicas] == [4, 4], replicas
         os.kill(pids[0], signal.SIGKILL)
@@ -137,20 +160,7 @@ def test_a_dead_replica_fails_its_requests_and_the_other_serves(tiny_with_tokeni
 
         for t in threads:
             t.join(120)
-        for i in (0, 2):  # streamed on the dead replica: an error event, then [DONE]
-            status, lines = results[i]
-            assert status == 200 and lines[-1] == b"data: [DONE]"
-            error = json.loads(lines[-2][len(b"data: "):])["error"]
-            assert error["code"] == 503 and "not running" in error["message"]
-        for i in (4, 6):  # not streamed: HTTP 503 in the OpenAI error shape
-            status, body = results[i]
-            assert status == 503 and body["error"]["code"] == 503 and body["error"]["type"] == "ServiceUnavailableError"
-        for i in (1, 3):
-            status, lines = results[i]
-            assert status == 200 and lines[-1] == b"data: [DONE]" and b'"error"' not in lines[-2]
-        for i in (5, 7):
-            status, body = results[i]
-            assert status == 200 and body["usage"]["completion_tokens"] == 1500
+        _assert_dead_replicas_requests_failed_and_the_others_finished(results)
 
         os.kill(pids[1], signal.SIGKILL)
         deadline = time.monotonic() + 10

@@ -2,35 +2,24 @@
 lossless speculation.
 
 Fast checks run a tiny random llama that carries SmolLM2's tokenizer (a grammar needs real
-tokens); the schema acceptance run uses SmolLM2 itself.
+tokens); the schema acceptance run uses SmolLM2 itself. Grammars past the limits:
+test_grammar_limits.py.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import fp32_tol, hf_model, make_tiny_checkpoint
+from conftest import fp32_tol, hf_model
 from verispec import LLM, SamplingParams
 from verispec.sampling_params import StructuredOutputsParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-
-
-@pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory, smollm2_path) -> str:
-    """A tiny random llama over SmolLM2's 49152-token vocabulary, with its tokenizer."""
-    from verispec.models.loader import load_tokenizer
-
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok") / "llama", vocab_size=49152)
-    load_tokenizer(smollm2_path).save_pretrained(path)
-    return path
 
 
 ADAPTIVE = {**SPEC, "adaptive_verification": True, "cost_table": [[1, 0.01], [16, 0.012], [64, 0.03]]}
@@ -307,128 +296,3 @@ def test_packed_and_unpacked_masks_agree():
     assert torch.equal(a, b)
     expect = np.unpackbits(np.frombuffer(masks[0], dtype=np.uint8), bitorder="little")[:vocab].astype(bool)
     assert torch.equal(torch.isneginf(a[0]), torch.from_numpy(~expect)) and not torch.isinf(a[1]).any()
-
-
-def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
-    """A mask that runs out of llguidance's per-step budget after the checks is an error for that
-    request only, the client's (error_kind "invalid"); the rest of the batch carries on."""
-    from verispec.config import GrammarLimits
-    from verispec.sample.grammar import GrammarCompiler
-
-    llm = LLM(tiny_tok, dtype="float32", num_kv_blocks=64)
-    eng = llm.engine
-    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
-    eng.grammars = GrammarCompiler(eng.tokenizer, eng.vocab_size, eng.eos_token_ids, GrammarLimits(step_max_items=5))
-    # A grammar the checks would refuse, planted in the compiled cache: it stands for one whose
-    # first steps pass and a later one runs out.
-    import llguidance
-
-    from verispec.sample.grammar import _parser_limits
-
-    text = json.dumps(schema, sort_keys=True)
-    planted = concurrent.futures.Future()
-    planted.set_result(llguidance.LLMatcher(eng.grammars._tokenizer(), llguidance.grammar_from("json_schema", text),
-                                            log_level=0, limits=_parser_limits(eng.grammars.limits)))
-    eng.grammars._compiled[("json", text)] = planted
-    outs = llm.generate([[1, 5, 6], [1, 5, 7]], [
-        SamplingParams(max_tokens=8, structured_outputs={"json": schema}),
-        SamplingParams(max_tokens=4, temperature=0),
-    ], use_tqdm=False)
-    assert outs[0].error is not None and "structured output failed" in outs[0].error
-    assert outs[0].error_kind == "invalid"
-    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
-    assert not eng.has_unfinished_requests() and eng.pool.num_free_blocks == eng.pool.num_blocks
-
-
-def test_a_sampled_token_the_grammar_refuses_fails_its_request_in_that_step(engines, monkeypatch):
-    """llguidance's mask can offer a token its parser then refuses (partial UTF-8 of non-ASCII
-    choices): the request fails in the step that sampled it, as the client's error, without the
-    step's one-by-one re-run."""
-    from verispec.sample.grammar import RequestGrammar
-
-    eng = engines[False].engine
-    follow = RequestGrammar.advance
-    monkeypatch.setattr(RequestGrammar, "advance", lambda self, tokens: follow(self, [5]))  # 5: refused
-    runs, execute = [], eng.runner.execute
-    monkeypatch.setattr(eng.runner, "execute", lambda sched: runs.append(sched) or execute(sched))
-    eng.add_request("refused", [1, 5, 6], SamplingParams(max_tokens=6, structured_outputs={"choice": ["dark blue"]}))
-    eng.add_request("plain", [1, 5, 7], SamplingParams(max_tokens=6, temperature=0))
-    first = {out.request_id: out for out in eng.step()}
-    assert len(runs) == 1  # the step ran once: no one-by-one re-run
-    assert first["refused"].finished and first["refused"].error_kind == "invalid"
-    assert "structured output failed" in first["refused"].error and first["plain"].error is None
-    while eng.has_unfinished_requests():
-        eng.step()
-    assert eng.pool.num_free_blocks == eng.pool.num_blocks
-
-
-REF_LOOP = {"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/b"}, "b": {"$ref": "#/definitions/a"}}}
-
-
-@pytest.mark.parametrize("so, message", [
-    ({"json": REF_LOOP}, "NoExtensionBias"),  # found by the first mask
-    ({"regex": "(a{1000}){1000}"}, "too many expressions"),  # found one step later
-    ({"choice": [f"item{i}" for i in range(1001)]}, "at most 1000"),  # GrammarLimits.max_choices
-    ({"regex": "a" * ((128 << 10) + 1)}, "bytes; this server accepts at most"),  # GrammarLimits.max_bytes
-])
-def test_grammars_past_the_limits_are_refused_before_anything_is_queued(engines, so, message):
-    eng = engines[False].engine
-    with pytest.raises(ValueError, match=message):
-        eng.add_request("hostile", [1, 5, 6], SamplingParams(max_tokens=4, structured_outputs=so))
-    assert not eng.has_unfinished_requests()
-
-
-def test_a_choice_row_past_llguidances_items_is_found_by_the_probe(tiny_tok):
-    from llguidance.hf import from_tokenizer  # noqa: F401 - the probe needs llguidance's tokenizer
-
-    from verispec.config import GrammarLimits
-    from verispec.models.loader import load_tokenizer
-    from verispec.sample.grammar import GrammarCompiler, GrammarError
-
-    compiler = GrammarCompiler(load_tokenizer(tiny_tok), 49152, frozenset({2}), GrammarLimits(max_choices=5000))
-    with pytest.raises(GrammarError, match="items; max is 2000"):
-        compiler.matcher(StructuredOutputsParams(choice=[f"item{i}" for i in range(3000)]))
-    assert compiler.matcher(StructuredOutputsParams(choice=[f"item{i}" for i in range(1000)])) is not None
-
-
-def test_a_grammar_that_fails_is_compiled_once_and_refused_alike_after(tiny_tok, monkeypatch):
-    """A client repeating a grammar past the limits costs one compile: the error is kept beside
-    the templates and raised afresh (same message) for the repeats; concurrent askers share one."""
-    from verispec.models.loader import load_tokenizer
-    from verispec.sample.grammar import GrammarCompiler, GrammarError
-
-    compiler = GrammarCompiler(load_tokenizer(tiny_tok), 49152, frozenset({2}))
-    compiles = []
-    real = compiler._compile
-    monkeypatch.setattr(compiler, "_compile", lambda *a: compiles.append(a) or time.sleep(0.2) or real(*a))  # askers overlap
-    bad = StructuredOutputsParams(regex="(a{1000}){1000}")
-    messages = []
-    for _ in range(3):
-        with pytest.raises(GrammarError) as info:
-            compiler.matcher(bad)
-        messages.append(str(info.value))
-    assert len(compiles) == 1 and len(set(messages)) == 1 and "regex" in messages[0]
-    # Asked four times at once, a new grammar is compiled once; each asker gets its own matcher.
-    good = StructuredOutputsParams(regex="[ab]{2}")
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        matchers = list(pool.map(lambda _: compiler.matcher(good), range(4)))
-    assert len(compiles) == 2 and len({id(m.matcher) for m in matchers}) == 4
-
-
-def test_min_tokens_with_a_grammar_is_refused_and_a_refused_token_fails_only_its_request(engines):
-    with pytest.raises(ValueError, match="min_tokens"):
-        SamplingParams(min_tokens=3, structured_outputs={"choice": ["a"]})
-    # A token the grammar refuses (here forced in by hand) leaves the engine running.
-    llm = engines[False]
-    eng = llm.engine
-    eng.add_request("bad", [1, 5, 6], SamplingParams(max_tokens=6, structured_outputs={"choice": ["dark blue"]}))
-    eng.add_request("good", [1, 5, 7], SamplingParams(max_tokens=6, temperature=0))
-    eng.step()
-    bad = next(r for r in eng.scheduler.running if r.request_id == "bad")
-    bad.grammar.advance([5])  # not a prefix of "dark blue"
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert done["bad"].error is not None and done["good"].error is None

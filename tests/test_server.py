@@ -2,7 +2,8 @@
 the official `openai` client, `requests` and `curl`, checked against the in-process `LLM`.
 
 The server runs with the same engine options as the `smollm2_llm` fixture, so a request run alone
-gives the same logprobs on both sides (to float rounding of the CPU kernels).
+gives the same logprobs on both sides (to float rounding of the CPU kernels). Structured output
+over HTTP: test_server_structured.py; clients that leave mid-request: test_hostile.py.
 """
 
 from __future__ import annotations
@@ -334,128 +335,6 @@ def test_prefix_cache_over_http_salts_reset_and_metrics(server, smollm2_llm):
     assert after_reset["hits"] == sum(hittable[1:]), after_reset
     bad = server.post("/v1/completions", {**body, "cache_salt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
-
-
-# ----------------------------------------------------------------------------- structured output
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
-
-
-def test_response_format_and_structured_outputs_over_http(server):
-    import jsonschema
-
-    client = server.openai()
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=64,
-        temperature=0.8, seed=3,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
-    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
-    obj = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=48, temperature=0,
-                                         response_format={"type": "json_object"})
-    if obj.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(obj.choices[0].message.content), dict)
-    colors = ["red", "green", "blue"]
-    picked = client.completions.create(model=MODEL, prompt="My favourite color is", max_tokens=8, temperature=0,
-                                       extra_body={"structured_outputs": {"choice": colors}})
-    assert picked.choices[0].text in colors and picked.choices[0].finish_reason == "stop"
-    phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=12, temperature=0,
-                                      extra_body={"guided_regex": r" \d{3}-\d{4}"})
-    assert re.fullmatch(r" \d{3}-\d{4}", phone.choices[0].text)
-
-
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
-                                       "required": ["zone"], "additionalProperties": False}}}
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_named_and_required_give_valid_tool_calls(server, stream):
-    """Through the official client: every call names a given tool and its arguments validate."""
-    import jsonschema
-
-    client = server.openai()
-    ask = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
-    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-        kw = dict(model=MODEL, messages=ask, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=96, temperature=0)
-        if stream:
-            calls, reasons = [], []
-            for chunk in client.chat.completions.create(**kw, stream=True):
-                for c in chunk.choices:
-                    calls += c.delta.tool_calls or []
-                    reasons += [c.finish_reason] if c.finish_reason else []
-            assert reasons == ["tool_calls"]
-        else:
-            resp = client.chat.completions.create(**kw)
-            assert resp.choices[0].finish_reason == "tool_calls" and resp.choices[0].message.content is None
-            calls = resp.choices[0].message.tool_calls
-        assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
-        if choice != "required":
-            assert [c.function.name for c in calls] == ["get_weather"]
-        for c in calls:
-            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
-    bad = server.post("/v1/chat/completions", {"model": MODEL, "messages": ask, "tools": [WEATHER],
-                                               "tool_choice": {"type": "function", "function": {"name": "nope"}}})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
-
-
-@pytest.mark.parametrize("body, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"guided_regex": "(unclosed"}, "guided_regex"),
-    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
-])
-def test_a_bad_grammar_is_a_400_naming_its_field(server, body, param):
-    r = server.post("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 4, **body})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param, r.json()
-
-
-# ---------------------------------------------------------------------------------- disconnects
-def test_stream_disconnect_aborts_and_frees_blocks(server):
-    r = server.post("/v1/completions", {"prompt": "Write a long story.", "max_tokens": 2000, "ignore_eos": True,
-                                        "stream": True}, stream=True)
-    lines = r.iter_lines()
-    got = 0
-    for line in lines:
-        if line.startswith(b"data: "):
-            got += 1
-        if got == 3:
-            break
-    assert server.metrics()["verispec:num_requests_running"] == 1
-    r.close()  # the client goes away mid-stream
-    m = server.wait_idle()
-    assert m["verispec:kv_cache_blocks_free"] == m["verispec:kv_cache_blocks_total"]
-    assert m["verispec:num_requests_running"] == 0
-
-
-def test_non_stream_disconnect_aborts(server):
-    aborted = _count(server, "verispec:request_success_total", 'finished_reason="abort"')
-    try:
-        server.post("/v1/completions", {"prompt": "Tell me everything.", "max_tokens": 3000, "ignore_eos": True},
-                    timeout=1.5)
-    except requests.exceptions.ReadTimeout:
-        pass
-    else:  # timing: this machine wrote 3000 tokens in 1.5 s, so the client never left mid-request
-        pytest.skip("3000 tokens took under 1.5 s here: no disconnect happened")
-    m = server.wait_idle()
-    assert m["verispec:kv_cache_blocks_free"] == m["verispec:kv_cache_blocks_total"]
-    assert _count(server, "verispec:request_success_total", 'finished_reason="abort"') == aborted + 1
-
-
-def _count(server, name: str, label: str) -> float:
-    """The value of the /metrics sample `name` that carries `label` (0 when absent)."""
-    lines = [line for line in server.get("/metrics").text.splitlines() if line.startswith(name + "{") and label in line]
-    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
 
 # ------------------------------------------------------------------------ README, speculation, death

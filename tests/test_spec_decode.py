@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import hf_model, hf_processed, make_tiny_checkpoint, random_prompts
+from conftest import hf_processed, make_tiny_checkpoint, random_prompts
 from test_verify import chi_square
 from verispec import LLM, SamplingParams
 from verispec.spec_decode import rejection
@@ -72,12 +72,6 @@ def test_logprobs_under_speculation_equal_non_speculative(tiny_llama, mode):
     assert_same_logprobs(base, spec)
 
 
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("v16") / "m", "llama", vocab_size=16, initializer_range=0.3)
-    return path, hf_model(path)
-
-
 def exact_two_token_distribution(model, prompt, params) -> dict[tuple[int, int], float]:
     """p(t1, t2) from HF logits with the request's processors applied (temperature/top-k/top-p)."""
     def dist(ids):
@@ -115,13 +109,6 @@ def sample_pairs(path, prompt, params, n, spec=NGRAM3) -> dict[tuple[int, int], 
 # 0 (and what follows it) for the second, so the second token is always verified. For this seeded
 # model the second token is 0 about half the time, so drafts are often accepted and often not.
 PROMPT16 = [t for tok in range(1, 16) for t in (tok, 0)] + [3]
-
-
-@pytest.fixture(scope="module")
-def other_draft(tmp_path_factory, small_vocab_model):
-    """A draft model with the same shape and vocab but different weights (drafts often rejected)."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("d16") / "d", "llama", seed=99, vocab_size=16,
-                                initializer_range=0.3, num_hidden_layers=1)
 
 
 @pytest.mark.parametrize("spec", ["ngram", "layer_skip", "draft_model", "suffix"],

@@ -1,0 +1,62 @@
+"""The verispec-only scenarios that run after the systems' tables, each with its own measurement,
+report and check: prefix caching, structured output, tensor parallelism, the cost curve, weight
+updates and suffix decoding. One entry per scenario, so the runner loops instead of naming each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks.cost_curve import run_cost_curve, write_curve
+from benchmarks.options import BenchConfig
+from benchmarks.prefix import run_prefix, write_prefix
+from benchmarks.scaling import run_scaling, write_scaling
+from benchmarks.scenarios import (
+    COST_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, STRUCTURED_SCENARIO, SUFFIX_SCENARIO, WEIGHTS_SCENARIO,
+)
+from benchmarks.structured import run_structured, write_structured
+from benchmarks.suffix import run_suffix, write_suffix
+from benchmarks.weights import run_weights, write_weights
+
+Log = Callable[[str], None]
+
+
+def _no_check(rows: Any) -> str | None:
+    return None
+
+
+def _suffix_check(rows: Any) -> str | None:
+    if any(r.identical == "NO" for r in rows):
+        return "a speculative run's greedy output differs from the plain one"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Extra:
+    scenario: str
+    announce: str  # the log line as it starts
+    summary: str  # bench.json's description of the scenario
+    measure: Callable[[BenchConfig, Any, Log], Any]  # (config, tokenizer, log) -> its results
+    write: Callable[[Path, dict[str, Any], Any], str]  # (out, machine, results) -> the printed table
+    check: Callable[[Any], str | None] = _no_check  # an error to record, where the results show one
+
+
+EXTRAS: tuple[Extra, ...] = (
+    Extra(PREFIX_SCENARIO, "prefix caching: cache on against cache off (verispec, two HTTP servers, then in process)",
+          "prefix caching, cache on against off",
+          lambda c, tok, log: run_prefix(tok, c.quick, c.max_tokens, c.runs, c.out, log), write_prefix),
+    Extra(STRUCTURED_SCENARIO, "structured output: a grammar against none (verispec, in process)",
+          "structured output, a grammar against none",
+          lambda c, tok, log: run_structured(tok, c.quick, c.max_tokens, c.runs, log), write_structured),
+    Extra(SCALING_SCENARIO, "tensor parallelism: two ranks against one on this machine (verispec, in process)",
+          "tensor parallelism, two ranks against one",
+          lambda c, tok, log: run_scaling(tok, c.quick, log), write_scaling),
+    Extra(COST_SCENARIO, "the cost curve: step time against rows per tier and kernel (verispec, in process)",
+          "step time against rows", lambda c, tok, log: run_cost_curve(c.quick, log), write_curve),
+    Extra(WEIGHTS_SCENARIO, "weight updates in place against a fresh engine (verispec, in process)",
+          "weight updates in place", lambda c, tok, log: run_weights(c.quick, log), write_weights),
+    Extra(SUFFIX_SCENARIO, "suffix decoding against ngram and plain: agent loop, code edit, RL rollouts "
+          "(verispec, in process)", "suffix decoding, three workloads",
+          lambda c, tok, log: run_suffix(c.quick, c.max_tokens, c.runs, log), write_suffix, _suffix_check),
+)
