@@ -50,9 +50,10 @@ logger = logging.getLogger("verispec.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "quant_linear.cpp", "packed_linear.cpp", "packed_layout.cpp",
-                                       "rms_norm.cpp")]
+                                       "gguf_pack.cpp", "rms_norm.cpp")]
 # Included by the sources: part of the build's key.
-_HEADERS = [_CSRC / name for name in ("attention_tiles.h", "packed_activations.h", "packed_layout.h", "packed_linear_body.h")]
+_HEADERS = [_CSRC / name for name in ("attention_tiles.h", "packed_activations.h", "packed_layout.h", "packed_linear_body.h",
+                                        "packed_tile_qx.h")]
 # torch's CPU dispatch levels, best first -> the macro its vector headers read and the flags torch
 # compiles that level's kernels with (AVX2's headers convert halves with F16C instructions).
 _LEVELS = {

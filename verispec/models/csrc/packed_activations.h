@@ -35,7 +35,8 @@ struct Act {  // a call's activations, one layout per weight format
   const uint8_t* outlier;  // [M, groups]: whether r8 holds a residual
   const float* scale;  // [M, groups]: the group's step (int8: s1, or s in an outlier group)
   const float* sum;    // [M, groups]: int8: the sum of the group's values on that step (exact)
-  const float* ssum;   // [M, groups]: int8: scale * sum, for Q4_1's offsets
+  const float* ssum;   // [M, groups]: int8: scale * sum, for the offsets (Q4_1, Q5_1, Q4_K, Q5_K)
+  const int32_t* hsum;  // [M, groups, 2]: int8: the sum over inputs 0..15 and 16..31 (Q6_K's sub-blocks)
   int64_t k, groups;
 };
 
@@ -44,8 +45,10 @@ struct ActBuffers {  // owns what an Act points at
   std::vector<int8_t> q8, r8;
   std::vector<uint8_t> outlier;
   std::vector<float> scale, sum, ssum;
+  std::vector<int32_t> hsum;
   Act act(int64_t k, int64_t groups) const {
-    return {q16.data(), q8.data(), r8.data(), outlier.data(), scale.data(), sum.data(), ssum.data(), k, groups};
+    return {q16.data(), q8.data(), r8.data(), outlier.data(), scale.data(), sum.data(), ssum.data(), hsum.data(),
+            k, groups};
   }
 };
 
@@ -93,6 +96,7 @@ void quantize_int8(const T* x, int64_t m, int64_t k, ActBuffers& b) {
   b.scale.resize(m * groups);
   b.sum.assign(m * groups, 0.f);
   b.ssum.assign(m * groups, 0.f);
+  b.hsum.assign(2 * m * groups, 0);
   for (int64_t i = 0; i < m * groups; ++i) {
     float v[kGroup], q1[kGroup], amax;
     const bool finite = load_group(x + i * kGroup, v, amax);
@@ -101,12 +105,13 @@ void quantize_int8(const T* x, int64_t m, int64_t k, ActBuffers& b) {
     b.ssum[i] = b.scale[i] * 0.f;  // NaN with the scale
     if (!finite || !(s > 0.f)) continue;
     int8_t* q = b.q8.data() + i * kGroup;
-    int32_t squares = 0, sum1 = 0, sum2 = 0;
+    int32_t squares = 0, sum1 = 0, sum2 = 0, half1 = 0, half2 = 0;  // half: inputs 0..15
     for (int64_t j = 0; j < kGroup; ++j) {
       q1[j] = std::min(std::max(std::rint(v[j] / s1), -float(kAct8Max)), float(kAct8Max));
       q[j] = static_cast<int8_t>(q1[j]);
     }
     for (int64_t j = 0; j < kGroup; ++j) squares += q[j] * q[j], sum1 += q[j];
+    for (int64_t j = 0; j < kGroup / 2; ++j) half1 += q[j];
     // max|x| > 4 rms, on the int8 values (exact): 127^2 > 16 sum(q1^2) / 32.
     const bool outlier = squares < kOutlierSquares;
     if (outlier) {
@@ -114,10 +119,13 @@ void quantize_int8(const T* x, int64_t m, int64_t k, ActBuffers& b) {
       for (int64_t j = 0; j < kGroup; ++j)  // fma: the residual x - s1 q1, rounded once
         r[j] = static_cast<int8_t>(std::min(std::max(std::rint(std::fma(-q1[j], s1, v[j]) / s), -float(kAct8Max)), float(kAct8Max)));
       for (int64_t j = 0; j < kGroup; ++j) sum2 += r[j];
+      for (int64_t j = 0; j < kGroup / 2; ++j) half2 += r[j];
     }
     b.outlier[i] = outlier;
     b.scale[i] = outlier ? s : s1;
     b.sum[i] = static_cast<float>(outlier ? kResidualSteps * sum1 + sum2 : sum1);  // < 2^24: exact
+    b.hsum[2 * i] = outlier ? kResidualSteps * half1 + half2 : half1;
+    b.hsum[2 * i + 1] = (outlier ? kResidualSteps * (sum1 - half1) + (sum2 - half2) : sum1 - half1);
     b.ssum[i] = b.scale[i] * b.sum[i];
   }
 }

@@ -81,17 +81,65 @@ void dequantize_blocks(const uint8_t* cp, const at::Half* dp, const at::Half* mp
   }
 }
 
+// One group of column c of a 5/6-bit or K-quant block, decoded exactly to fp32 as gguf's own
+// dequantize computes it: d (q - centre) + m, (d sc) q - (dmin mn), (d sc) (q - 32); the scale
+// products are exact, so each weight rounds once, as there.
+void decode_qx_group(int fmt, const uint8_t* raw, const uint16_t* d, const uint16_t* m, int64_t col, float* out) {
+  const int bits = code_bits(fmt);
+  const int64_t subs = kBytes4 + high_bytes(fmt);
+  for (int64_t j = 0; j < kGroup; ++j) {
+    const int64_t p = j / 4, i = j % 4;
+    const uint8_t byte = raw[p * 2 * kCols + 2 * col + i % 2];
+    int q = i < 2 ? byte & 0x0F : byte >> 4;
+    if (bits == 5) q |= ((raw[kBytes4 + (p / 2) * kCols + col] >> (4 * (p % 2) + i)) & 1) << 4;
+    if (bits == 6) q |= ((raw[kBytes4 + p * kCols + col] >> (2 * i)) & 3) << 4;
+    const float dd = c10::detail::fp16_ieee_to_fp32_value(*d);
+    if (fmt == kQ6_K) {
+      const float dg = dd * static_cast<float>(static_cast<int8_t>(raw[subs + (j / 16) * kCols + col]));
+      out[j] = dg * static_cast<float>(q - 32);
+    } else if (is_kquant(fmt)) {
+      const float dg = dd * static_cast<float>(raw[subs + col]);
+      const float mg = c10::detail::fp16_ieee_to_fp32_value(*m) * static_cast<float>(raw[subs + kCols + col]);
+      out[j] = dg * static_cast<float>(q) - mg;
+    } else if (has_offsets(fmt)) {
+      out[j] = dd * static_cast<float>(q) + c10::detail::fp16_ieee_to_fp32_value(*m);
+    } else {
+      out[j] = dd * static_cast<float>(q - center(fmt));
+    }
+  }
+}
+
+template <typename T>
+void dequantize_qx(int fmt, const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, T* wp, int64_t n,
+                   int64_t groups, int64_t begin, int64_t end) {
+  const int64_t k = groups * kGroup, bytes = group_bytes(fmt);
+  float v[kGroup];
+  for (int64_t b = begin; b < end; ++b)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (is_kquant(fmt) ? b * (groups / kSuperGroups) + g / kSuperGroups : b * groups + g) * kCols;
+      for (int64_t c = 0; c < std::min(kCols, n - b * kCols); ++c) {
+        decode_qx_group(fmt, cp + (b * groups + g) * bytes, dp + at + c, mp ? mp + at + c : nullptr, c, v);
+        T* out = wp + (b * kCols + c) * k + g * kGroup;
+        for (int64_t j = 0; j < kGroup; ++j) out[j] = static_cast<T>(v[j]);
+      }
+    }
+}
+
 template <typename T>
 void dequantize_into(const uint8_t* cp, const at::Half* dp, const at::Half* mp, T* wp, int64_t format, int64_t n,
                      int64_t groups) {
   at::parallel_for(0, (n + kCols - 1) / kCols, 1, [&](int64_t begin, int64_t end) {
-    if (format == kQ4_0) dequantize_blocks<kQ4_0>(cp, dp, mp, wp, n, groups, begin, end);
+    if (format > kQ8_0)
+      dequantize_qx(static_cast<int>(format), cp, reinterpret_cast<const uint16_t*>(dp),
+                    reinterpret_cast<const uint16_t*>(mp), wp, n, groups, begin, end);
+    else if (format == kQ4_0) dequantize_blocks<kQ4_0>(cp, dp, mp, wp, n, groups, begin, end);
     else if (format == kQ4_1) dequantize_blocks<kQ4_1>(cp, dp, mp, wp, n, groups, begin, end);
     else dequantize_blocks<kQ8_0>(cp, dp, mp, wp, n, groups, begin, end);
   });
 }
 
-// The [N, K] matrix the codes stand for, exactly in fp32 (w = d q, d (q - 8) or d q + m), then
+// The [N, K] matrix the codes stand for, exactly in fp32 (w = d q, d (q - 8), d q + m, or a
+// K-quant's (d sc) q - (dmin mn); see packed_layout.h), then
 // rounded once to `dtype`: the dense path for steps past the kernel's rows.
 at::Tensor packed_dequantize(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
                              int64_t format, int64_t n, at::ScalarType dtype) {

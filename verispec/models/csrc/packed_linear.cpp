@@ -56,7 +56,7 @@ struct Packed {
 
 using TileFn = void (*)(const Packed&, int64_t, const Act&, int64_t, float*);
 struct TileTable {
-  std::array<std::array<TileFn, kMaxRows>, 3> fn;  // [format][rows - 1]
+  std::array<std::array<TileFn, kMaxRows>, kFormats> fn;  // [format][rows - 1]
   int rows;
 };
 
@@ -71,6 +71,7 @@ inline int32_t lane(const T* x) {  // two int16 or four int8 activations, as one
 namespace portable {
 struct V {
   static constexpr int kCols = 16, kRows = kMaxRows, kChains = 1;
+  static constexpr bool kDot8Int32 = true;  // dot8 sums in int32: no int16 lanes to widen
   struct W { int16_t v[32]; };
   struct B { uint8_t v[64]; };
   struct I { int32_t v[16]; };
@@ -135,6 +136,49 @@ struct V {
     return f;
   }
   static void store(float* p, const F& f) { std::memcpy(p, f.v, sizeof f.v); }
+  // Integer lanes for the 5- and 6-bit codes and the K-quants' sub-block scales.
+  static I lanes_u8(const uint8_t* p) {
+    I a;
+    for (int j = 0; j < 16; ++j) a.v[j] = p[j];
+    return a;
+  }
+  static I lanes_i8(const uint8_t* p) {
+    I a;
+    for (int j = 0; j < 16; ++j) a.v[j] = static_cast<int8_t>(p[j]);
+    return a;
+  }
+  template <int N>
+  static I slli(I a) {
+    for (auto& v : a.v) v = static_cast<int32_t>(static_cast<uint32_t>(v) << N);
+    return a;
+  }
+  template <int N>
+  static I srli(I a) {
+    for (auto& v : a.v) v = static_cast<int32_t>(static_cast<uint32_t>(v) >> N);
+    return a;
+  }
+  static I or_i(I a, const I& b) {
+    for (int j = 0; j < 16; ++j) a.v[j] |= b.v[j];
+    return a;
+  }
+  static I and_i(I a, int32_t mask) {
+    for (auto& v : a.v) v &= mask;
+    return a;
+  }
+  static I sub_i(I a, const I& b) {
+    for (int j = 0; j < 16; ++j) a.v[j] -= b.v[j];
+    return a;
+  }
+  static I set1_i(int32_t s) {
+    I a;
+    for (auto& v : a.v) v = s;
+    return a;
+  }
+  static B with_high(B lo, const I& hi) {  // lane c's four bytes of `hi` or-ed into column c's codes
+    for (int c = 0; c < 16; ++c)
+      for (int i = 0; i < 4; ++i) lo.v[4 * c + i] |= static_cast<uint8_t>(static_cast<uint32_t>(hi.v[c]) >> (8 * i));
+    return lo;
+  }
 };
 #include "packed_linear_body.h"
 }  // namespace portable
@@ -143,9 +187,10 @@ struct V {
 // ------------------------------------------------------------------ x86: 16 or 8 lanes per vector
 // A 4-bit run's byte pairs (one column's, inputs 4p..4p+3 as low, low, high, high nibbles)
 // zero-extended to 32-bit lanes v: (v | v << 12) & 0x0F0F0F0F puts the four codes in input order.
-#define VS_AVX2_TRAITS(DOT, DOT8, WIDEN)                                                                     \
+#define VS_AVX2_TRAITS(DOT, DOT8, WIDEN, INT32)                                                       \
   struct V {                                                                                          \
     static constexpr int kCols = 8, kRows = 4, kChains = 4; /* 16 ymm registers */                    \
+    static constexpr bool kDot8Int32 = INT32;                                                         \
     using W = __m256i;                                                                                \
     using B = __m256i;                                                                                \
     using I = __m256i;                                                                                \
@@ -172,6 +217,19 @@ struct V {
     static F sub_f(F a, F b) { return _mm256_sub_ps(a, b); }                                          \
     static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }                                  \
     static void store(float* p, F f) { _mm256_storeu_ps(p, f); }                                      \
+    static I lanes_u8(const uint8_t* p) {                                                             \
+      return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));              \
+    }                                                                                                 \
+    static I lanes_i8(const uint8_t* p) {                                                             \
+      return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));              \
+    }                                                                                                 \
+    template <int N> static I slli(I a) { return _mm256_slli_epi32(a, N); }                           \
+    template <int N> static I srli(I a) { return _mm256_srli_epi32(a, N); }                           \
+    static I or_i(I a, I b) { return _mm256_or_si256(a, b); }                                         \
+    static I and_i(I a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }              \
+    static I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }                                       \
+    static I set1_i(int32_t s) { return _mm256_set1_epi32(s); }                                       \
+    static B with_high(B lo, I hi) { return _mm256_or_si256(lo, hi); }                                \
   };
 
 // Without VNNI, dot8 keeps int16 lanes: u8 x s8 pairs (|.| <= 2 x 15 x 127 = 3810) summed over at
@@ -182,7 +240,7 @@ inline __m256i avx2_dot8(__m256i acc, __m256i w, __m256i x) { return _mm256_add_
 inline __m256i avx2_widen(__m256i a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
 inline __m256i same(__m256i a) { return a; }  // VNNI's sums are int32 already
 namespace avx2 {
-VS_AVX2_TRAITS(avx2_dot, avx2_dot8, avx2_widen)
+VS_AVX2_TRAITS(avx2_dot, avx2_dot8, avx2_widen, false)
 #include "packed_linear_body.h"
 }  // namespace avx2
 
@@ -192,16 +250,17 @@ VS_AVX2_TRAITS(avx2_dot, avx2_dot8, avx2_widen)
 namespace avx2_vnni {
 inline __m256i vnni_dot(__m256i acc, __m256i w, __m256i x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
 inline __m256i vnni_dot8(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
-VS_AVX2_TRAITS(vnni_dot, vnni_dot8, same)
+VS_AVX2_TRAITS(vnni_dot, vnni_dot8, same, true)
 #include "packed_linear_body.h"
 }  // namespace avx2_vnni
 #pragma GCC pop_options
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define VS_AVX512_TRAITS(DOT, DOT8, WIDEN)                                                                   \
+#define VS_AVX512_TRAITS(DOT, DOT8, WIDEN, INT32)                                                     \
   struct V {                                                                                          \
     static constexpr int kCols = 16, kRows = kMaxRows, kChains = 8; /* 32 zmm registers */            \
+    static constexpr bool kDot8Int32 = INT32;                                                         \
     using W = __m512i;                                                                                \
     using B = __m512i;                                                                                \
     using I = __m512i;                                                                                \
@@ -228,6 +287,19 @@ VS_AVX2_TRAITS(vnni_dot, vnni_dot8, same)
     static F sub_f(F a, F b) { return _mm512_sub_ps(a, b); }                                          \
     static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }                                  \
     static void store(float* p, F f) { _mm512_storeu_ps(p, f); }                                      \
+    static I lanes_u8(const uint8_t* p) {                                                             \
+      return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));              \
+    }                                                                                                 \
+    static I lanes_i8(const uint8_t* p) {                                                             \
+      return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));              \
+    }                                                                                                 \
+    template <int N> static I slli(I a) { return _mm512_slli_epi32(a, N); }                           \
+    template <int N> static I srli(I a) { return _mm512_srli_epi32(a, N); }                           \
+    static I or_i(I a, I b) { return _mm512_or_si512(a, b); }                                         \
+    static I and_i(I a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }              \
+    static I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }                                       \
+    static I set1_i(int32_t s) { return _mm512_set1_epi32(s); }                                       \
+    static B with_high(B lo, I hi) { return _mm512_or_si512(lo, hi); }                                \
   };
 
 inline __m512i avx512_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }
@@ -235,7 +307,7 @@ inline __m512i avx512_dot8(__m512i acc, __m512i w, __m512i x) { return _mm512_ad
 inline __m512i avx512_widen(__m512i a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }  // as avx2_widen
 inline __m512i same512(__m512i a) { return a; }
 namespace avx512 {
-VS_AVX512_TRAITS(avx512_dot, avx512_dot8, avx512_widen)
+VS_AVX512_TRAITS(avx512_dot, avx512_dot8, avx512_widen, false)
 #include "packed_linear_body.h"
 }  // namespace avx512
 
@@ -245,7 +317,7 @@ VS_AVX512_TRAITS(avx512_dot, avx512_dot8, avx512_widen)
 namespace avx512_vnni {
 inline __m512i vnni_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_dpwssd_epi32(acc, w, x); }
 inline __m512i vnni_dot8(__m512i acc, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(acc, w, x); }
-VS_AVX512_TRAITS(vnni_dot, vnni_dot8, same512)
+VS_AVX512_TRAITS(vnni_dot, vnni_dot8, same512, true)
 #include "packed_linear_body.h"
 }  // namespace avx512_vnni
 #pragma GCC pop_options

@@ -117,22 +117,20 @@ void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
   }
 }
 
-template <int... R>
-constexpr std::array<TileFn, kMaxRows> tiles_q4_0(std::integer_sequence<int, R...>) {
-  return {&tile_q4<kQ4_0, R + 1>...};
-}
-template <int... R>
-constexpr std::array<TileFn, kMaxRows> tiles_q4_1(std::integer_sequence<int, R...>) {
-  return {&tile_q4<kQ4_1, R + 1>...};
-}
-template <int... R>
-constexpr std::array<TileFn, kMaxRows> tiles_q8_0(std::integer_sequence<int, R...>) {
-  return {&tile_q8<R + 1>...};
+#include "packed_tile_qx.h"
+
+template <int Fmt, int... R>
+constexpr std::array<TileFn, kMaxRows> tiles(std::integer_sequence<int, R...>) {
+  if constexpr (Fmt == kQ4_0 || Fmt == kQ4_1) return {&tile_q4<Fmt, R + 1>...};
+  else if constexpr (Fmt == kQ8_0) return {&tile_q8<R + 1>...};
+  else return {&tile_qx<Fmt, R + 1>...};
 }
 
 // This variant's tiles: [format][rows - 1], up to V::kRows rows.
 inline const TileTable& table() {
   constexpr auto rows = std::make_integer_sequence<int, V::kRows>{};
-  static const TileTable t{{tiles_q4_0(rows), tiles_q4_1(rows), tiles_q8_0(rows)}, V::kRows};
+  static const TileTable t{{tiles<kQ4_0>(rows), tiles<kQ4_1>(rows), tiles<kQ8_0>(rows), tiles<kQ5_0>(rows),
+                            tiles<kQ5_1>(rows), tiles<kQ4_K>(rows), tiles<kQ5_K>(rows), tiles<kQ6_K>(rows)},
+                           V::kRows};
   return t;
 }
