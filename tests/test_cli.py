@@ -30,7 +30,7 @@ def test_generate_says_what_it_runs_on_in_one_line(capsys):
     assert main(["generate", "Hi", "--max-tokens", "2", "--enforce-eager"]) == 0
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("verispec: ")]
     capability = torch.backends.cpu.get_cpu_capability()
-    assert lines == [lines[0]] and f"fast tier (bfloat16 + gguf) on {capability}, kernels " in lines[0]
+    assert lines == [lines[0]] and f"fast tier (bfloat16 + gguf: Q4_1, Q8_0) on {capability}, kernels " in lines[0]
     assert lines[0].endswith(", eager step")
 
 

@@ -20,6 +20,7 @@ import torch
 
 from verispec.distributed.comm import TPGroup
 from verispec.models.config import ModelConfig
+from verispec.models.gguf_blocks import GGUFBlocks, columns
 from verispec.models.quant import QuantizedWeight
 
 # Row-parallel matrices split their input dimension at multiples of this (GGUF's group size),
@@ -93,12 +94,14 @@ class ShardContext:
 
 
 def _rows(w, lo: int, hi: int):
-    if isinstance(w, QuantizedWeight):
+    if isinstance(w, (QuantizedWeight, GGUFBlocks)):
         return w.map_rows(lambda t: t[lo:hi])
     return w[lo:hi]
 
 
 def _cols(w, lo: int, hi: int):
+    if isinstance(w, GGUFBlocks):
+        return columns(w, lo, hi)
     if isinstance(w, QuantizedWeight):
         g = w.group_size
         if lo % g or hi % g:  # a shard cut inside a group: its exact values, dense
@@ -132,6 +135,8 @@ def shard_checkpoint(cfg: ModelConfig, weights: dict, shard: Shard) -> tuple[Mod
 
 
 def _copy(w):
+    if isinstance(w, GGUFBlocks):  # read from the file when its layer is built: nothing to copy
+        return w
     if isinstance(w, QuantizedWeight):
         return w.map_rows(torch.clone)
     return w.clone()

@@ -29,7 +29,7 @@ from verispec.host_memory import keep_freed_memory
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
 from verispec.models.cpu_kernels import kernel_build
 from verispec.models.default import default_model_path
-from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision
+from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision, weight_kinds
 from verispec.outputs import RequestOutput
 from verispec.request import Request, RequestStatus
 from verispec.sample.grammar import GrammarCompiler
@@ -79,7 +79,7 @@ class LLMEngine:
         try:
             with self.startup.phase("checkpoint"):
                 model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
-                self.model_config = model_cfg
+                self.model_config, self.weight_kinds = model_cfg, weight_kinds(weights)
             if kernels is not None:
                 with self.startup.phase("kernels"):  # what the build needs past the checkpoint read
                     kernels.result()
@@ -134,7 +134,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step)
         with self.startup.phase("compile"):
             warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
-        self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None)
+        self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None,
+                                      self.weight_kinds)
         logger.info("%s", self.runtime.line())
         logger.info("%s", self.startup.summary())
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)

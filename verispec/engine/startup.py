@@ -23,9 +23,11 @@ class RuntimeInfo:
     cpu_capability: str  # torch's CPU dispatch level (ATEN_CPU_CAPABILITY can lower it); "cuda" on a GPU
     kernels: str  # "verispec AVX512", or "off (why)"
     compiled: bool
+    weights: str = ""  # the quantized formats, as loader.weight_kinds says them ("Q4_K, Q6_K")
 
     @classmethod
-    def of(cls, dtype: torch.dtype, quantization: str | None, device: torch.device, compiled: bool) -> "RuntimeInfo":
+    def of(cls, dtype: torch.dtype, quantization: str | None, device: torch.device, compiled: bool,
+           weights: str = "") -> "RuntimeInfo":
         on_cpu = device.type == "cpu"
         return cls(
             tier=tier_name(dtype, quantization),
@@ -33,6 +35,7 @@ class RuntimeInfo:
             cpu_capability=torch.backends.cpu.get_cpu_capability() if on_cpu else device.type,
             kernels=kernel_build().describe() if on_cpu else "torch (CUDA)",
             compiled=compiled,
+            weights=weights,
         )
 
     @property
@@ -40,12 +43,13 @@ class RuntimeInfo:
         return "compiled" if self.compiled else "eager"
 
     def line(self) -> str:
-        return (f"verispec: {self.tier} tier ({self.precision}) on {self.cpu_capability}, kernels {self.kernels}, "
-                f"{self.step} step")
+        weights = f": {self.weights}" if self.weights else ""
+        return (f"verispec: {self.tier} tier ({self.precision}{weights}) on {self.cpu_capability}, "
+                f"kernels {self.kernels}, {self.step} step")
 
     def labels(self) -> dict[str, str]:
         return {"tier": self.tier, "precision": self.precision, "cpu_capability": self.cpu_capability,
-                "kernels": self.kernels, "step": self.step}
+                "kernels": self.kernels, "step": self.step, "weights": self.weights}
 
 
 def tier_name(dtype: torch.dtype, quantization: str | None) -> str:

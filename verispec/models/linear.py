@@ -27,6 +27,7 @@ from torch import nn
 
 from verispec import envs
 from verispec.models.cpu_kernels import cpu_kernels_available
+from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks, Stacked
 from verispec.models.quant import QuantizedWeight
 
 # Measured on a 2-core AVX-512 CPU (576 x 1536, bf16): the int4 kernel costs ~11 us per row of x
@@ -249,27 +250,34 @@ def _blocked(t: torch.Tensor) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A GGUF-format matrix (Q4_0, Q4_1 or Q8_0, groups of 32, fp16 scales) on verispec's packed
-    kernel (`csrc/packed_linear.cpp`): the file's blocks, 4-bit codes two per byte, read once per
-    call for all its rows; activations quantized per group of 32 (int8, with an int8 residual in
-    outlier groups, for 4-bit codes; int16 for 8-bit ones), exact int32 dot products. The fast
-    tier's kernel for every row on a CPU, decode, verify and prefill chunks of any length: a row's
-    result does not depend on the rows beside it nor on the instruction set, so the tier is
-    batch-invariant (docs/rl.md). Long calls go in panels of rows whose activations stay in L2,
-    which keeps long prefill chunks about as fast as a dense bf16 matmul (docs/design.md).
-    `float_output` (the lm_head) returns fp32 logits whatever the activations' dtype."""
+    """A GGUF-format matrix on verispec's packed kernel (`csrc/packed_linear.cpp`): Q4_0, Q4_1,
+    Q8_0, Q5_0, Q5_1 (groups of 32, fp16 scales) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks
+    of 256, their 6- or 8-bit sub-block scales decoded in the kernel), the file's blocks put into
+    the kernel's layout with nothing widened: 4-bit codes two per byte, a fifth or sixth bit in
+    planes beside them. Read once per call for all its rows; activations quantized per group of
+    32 (int8, with an int8 residual in outlier groups; int16 for 8-bit codes), exact integer dot
+    products. The fast tier's kernel for every row on a CPU, decode, verify and prefill chunks of
+    any length: a row's result does not depend on the rows beside it nor on the instruction set,
+    so the tier is batch-invariant (docs/rl.md). Long calls go in panels of rows whose activations
+    stay in L2, which keeps long prefill chunks about as fast as a dense bf16 matmul
+    (docs/design.md). `float_output` (the lm_head) returns fp32 logits whatever the activations'
+    dtype."""
 
-    def __init__(self, weight: QuantizedWeight, device: torch.device, bias: torch.Tensor | None = None,
-                 float_output: bool = False):
+    def __init__(self, weight: "QuantizedWeight | GGUFBlocks", device: torch.device,
+                 bias: torch.Tensor | None = None, float_output: bool = False):
         super().__init__()
-        self.format = packed_format(weight)
-        assert self.format is not None, "make_linear checks packed_format first"
         self.n = weight.shape[0]
-        codes = torch.ops.verispec_cpu.packed_codes(weight.codes, weight.bits)
+        if isinstance(weight, GGUFBlocks):
+            codes, scales, offsets, self.format = weight.packed()
+        else:
+            self.format = packed_format(weight)
+            assert self.format is not None, "make_linear checks packed_format first"
+            codes = torch.ops.verispec_cpu.packed_codes(weight.codes, weight.bits)
+            scales = _blocked(weight.scale.half())
+            offsets = _blocked(weight.offset.half()) if self.format == PACKED_FORMATS["Q4_1"] else None
         self.register_buffer("codes", codes.to(device), persistent=False)
-        self.register_buffer("scales", _blocked(weight.scale.half()).to(device), persistent=False)
-        offsets = _blocked(weight.offset.half()).to(device) if self.format == PACKED_FORMATS["Q4_1"] else None
-        self.register_buffer("offsets", offsets, persistent=False)
+        self.register_buffer("scales", scales.to(device), persistent=False)
+        self.register_buffer("offsets", None if offsets is None else offsets.to(device), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
         self.float_output = float_output
 
@@ -286,8 +294,29 @@ class PackedLinear(nn.Module):
         return residual + self._matmul(x)
 
 
+class StackedLinear(nn.Module):
+    """Matrices of different formats stacked along N (`gguf_blocks.Stacked`), each on its own
+    kernel, their outputs side by side: what one matrix would give, row by row."""
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self._part_list = tuple(parts)  # a tuple: iterating the ModuleList costs more per call
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self._part_list], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self._matmul(x)
+
+
 # The packed kernel's `format` argument.
-PACKED_FORMATS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+PACKED_FORMATS = {kind: i for i, kind in enumerate(PACKED_KINDS)}
 
 
 def packed_format(weight: QuantizedWeight) -> int | None:
@@ -307,11 +336,12 @@ def _fp16_exact(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all()) and bool(torch.equal(t.half().float(), t.float()))
 
 
-def packed_wanted(weight: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+def packed_wanted(weight: "QuantizedWeight | GGUFBlocks", dtype: torch.dtype, device: torch.device) -> bool:
     """The fast tier's CPU matrices (and its 8-bit lm_head) run packed when the kernels are here;
     The environment's packed-kernel switch (verispec/envs.py) puts them back on torch's int4
     kernel (for comparisons)."""
-    return (dtype != torch.float32 and torch.device(device).type == "cpu" and packed_format(weight) is not None
+    packable = isinstance(weight, GGUFBlocks) or packed_format(weight) is not None
+    return (dtype != torch.float32 and torch.device(device).type == "cpu" and packable
             and envs.packed_kernel_enabled() and cpu_kernels_available())
 
 
@@ -321,7 +351,16 @@ def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Te
     `PackedLinear` in the fast tier, `DecodedLinear` for every matrix of an fp32 model (the exact
     tier on the codes). Elsewhere a `QuantLinear` on torch's int4 kernels where K suits them
     (a multiple of the group size), an exact `DecodedLinear` for an 8-bit lm_head (`head`), else
-    the dense values (an fp32 model without the kernels: exact, slower)."""
+    the dense values (an fp32 model without the kernels: exact, slower). A GGUF file's blocks
+    (`GGUFBlocks`) run packed in the fast tier, and elsewhere as their decoded codes; matrices of
+    different formats stacked along N (`Stacked`) run side by side."""
+    if isinstance(weight, Stacked):
+        parts = [make_linear(p, dtype, device, head=head, **quant_options) for p in weight.parts]
+        return StackedLinear(parts, None if bias is None else bias.to(device=device, dtype=dtype))
+    if isinstance(weight, GGUFBlocks):
+        if packed_wanted(weight, dtype, device):
+            return PackedLinear(weight, device, None if bias is None else bias.to(dtype), float_output=head)
+        weight = weight.decoded()
     if isinstance(weight, QuantizedWeight):
         if packed_wanted(weight, dtype, device):
             bias = None if bias is None else bias.to(dtype)
@@ -332,7 +371,7 @@ def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Te
         if dtype == torch.float32:  # no kernel for it here: the same values, decoded up front
             weight = weight.dequantize()
     if isinstance(weight, QuantizedWeight):
-        if weight.shape[1] % weight.group_size == 0 and weight.group_size in (32, 64, 128, 256):
+        if weight.bits in (4, 8) and weight.shape[1] % weight.group_size == 0 and weight.group_size in (32, 64, 128, 256):
             return QuantLinear(weight, dtype, device, bias, **quant_options)
         weight = weight.dequantize()
     bias = None if bias is None else bias.to(device=device, dtype=dtype)

@@ -16,7 +16,7 @@ from verispec.models.attention import AttentionMetadata, KVCacheTensors, attenti
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.linear import make_linear
-from verispec.models.quant import QuantizedWeight, concat_rows
+from verispec.models.gguf_blocks import concat_rows, dequantize, is_quantized
 
 
 class RMSNorm(nn.Module):
@@ -132,18 +132,17 @@ class LlamaModel(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {missing}")
         embed = weights["embed"]
-        quantized_embed = isinstance(embed, QuantizedWeight)
-        dtype = dtype or (torch.bfloat16 if quantized_embed else embed.dtype)
+        dtype = dtype or (torch.bfloat16 if is_quantized(embed) else embed.dtype)
         device = torch.device(device)
         # The lookup needs dense rows; a quantized table is dequantized once (exact values).
-        table = (embed.dequantize() if quantized_embed else embed).to(device=device, dtype=dtype)
+        table = dequantize(embed).to(device=device, dtype=dtype) if is_quantized(embed) else embed.to(device, dtype)
         self.embed = nn.Parameter(table, requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, dtype, device, parallel) for i in range(n))
         self.norm = RMSNorm(weights["norm"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
         self.lm_head = self.make_head(embed, weights.get("lm_head"))
         # The quantized matrices as loaded: an update of one part of a fused matrix (q of q|k|v)
         # re-packs it with the others' codes (verispec/models/weights.py).
-        self.sources = {name: w for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+        self.sources = {name: w for name, w in weights.items() if is_quantized(w)}
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         self.compiled = None  # set by verispec.models.compile
 
@@ -154,7 +153,7 @@ class LlamaModel(nn.Module):
     def make_head(self, embed, lm_head) -> nn.Module:
         """The lm_head: its own matrix, or the embedding's when tied (or absent)."""
         tied = self.cfg.tie_word_embeddings or lm_head is None
-        if tied and isinstance(embed, QuantizedWeight):
+        if tied and is_quantized(embed):
             # Past the kernels' rows (prefill-sized batches) the dense table, already in memory for
             # the lookup, replaces dequantizing 28M weights.
             return make_linear(embed, self.dtype, self.embed.device, head=True, dense=self.embed)

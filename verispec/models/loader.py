@@ -3,8 +3,9 @@
 Both forms come out as one `ModelConfig` plus a dict of weights under verispec's own names
 (`embed`, `layers.{i}.q`, ..., `norm`, `lm_head`) in [out, in] layout, so the model module never
 knows where its weights came from. A weight is a dense fp32/dtype tensor, or, in the quantized
-tier, a `QuantizedWeight` (GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are in the file, or
-round-to-nearest codes of an HF checkpoint's matrices).
+tier, a GGUF file's blocks as the file stores them (`GGUFBlocks`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K) or a `QuantizedWeight` (round-to-nearest codes of an HF checkpoint's matrices,
+or 8-bit codes of a GGUF type verispec does not keep, which `requantized_kinds` names).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import torch
 
 from verispec import envs
 from verispec.models.config import ModelConfig
+from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks
 from verispec.models.gguf_index import file_key, read_index
-from verispec.models.quant import GROUP_SIZE, QuantizedWeight, from_gguf_blocks, quantize_rtn
+from verispec.models.quant import GROUP_SIZE, QuantizedWeight, quantize_rtn
 
 logger = logging.getLogger("verispec")
 
-_EXACT_GGUF = ("Q4_0", "Q4_1", "Q8_0")  # decoded into QuantizedWeight without rounding
 _DENSE_GGUF = ("F32", "F16", "BF16")
 # The matrices of a decoder layer; embeddings and the lm_head are quantized separately.
 _LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -223,8 +224,9 @@ def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
-    """keep_blocks: Q4_0 / Q4_1 / Q8_0 matrices stay quantized as in the file; other quantized
-    types (K-quants and the like) are re-quantized to 8 bits, which loses next to nothing."""
+    """keep_blocks: matrices of the packed kernel's types stay the file's blocks (read from the
+    file when their layer is built); other quantized types (Q2_K, Q3_K, the IQ types) are
+    re-quantized to 8 bits, which loses next to nothing, and say so (`requantized_kinds`)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -232,24 +234,35 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
     data = np.memmap(path, dtype=np.uint8, mode="r")
     # llama.cpp permutes q/k only for the llama-style rotary layout; Qwen GGUFs keep HF's order.
     permuted = cfg.architecture in ("llama", "mistral")
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight | GGUFBlocks] = {}
     for t in tensors:
         ours = _gguf_name(t.name)
         if ours is None:
             continue
-        raw, shape, kind = data[t.offset : t.offset + t.n_bytes], t.shape, t.kind
-        if keep_blocks and kind in _EXACT_GGUF:
-            w = from_gguf_blocks(raw, kind, tuple(shape))
+        shape, kind = tuple(t.shape), t.kind
+        if keep_blocks and kind in PACKED_KINDS and len(shape) == 2:
+            w = GGUFBlocks.from_file(path, t.offset, kind, shape)
         else:
-            array = dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)
+            array = dequantize(data[t.offset : t.offset + t.n_bytes], GGMLQuantizationType[kind]).reshape(shape)
             w = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
             if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % GROUP_SIZE == 0:
-                w = quantize_rtn(w, 8)
+                w = quantize_rtn(w, 8, source=kind)
         if permuted and (ours.endswith(".q") or ours.endswith(".k")):
             perm = _unpermute_rows(shape[0], cfg.num_heads if ours.endswith(".q") else cfg.num_kv_heads)
-            w = w.map_rows(lambda x: x[perm]) if isinstance(w, QuantizedWeight) else w[perm]
+            w = w[perm] if isinstance(w, torch.Tensor) else w.map_rows(lambda x, perm=perm: x[perm])
         weights[ours] = w.to(dtype) if isinstance(w, torch.Tensor) else w
     return cfg, weights
+
+
+def weight_kinds(weights: dict) -> str:
+    """The quantized formats of a loaded model, for its start-up line: the file's types it keeps,
+    and those re-quantized to 8 bits ("Q4_K, Q6_K; IQ4_XS re-quantized to 8 bits"); "" if none."""
+    kept = sorted({w.kind for w in weights.values() if isinstance(w, (GGUFBlocks, QuantizedWeight)) and w.kind})
+    converted = sorted({w.source for w in weights.values() if isinstance(w, QuantizedWeight) and w.source})
+    text = ", ".join(kept)
+    if converted:
+        text += ("; " if text else "") + ", ".join(converted) + " re-quantized to 8 bits"
+    return text
 
 
 def _gguf_name(name: str) -> str | None:

@@ -31,6 +31,7 @@ class QuantizedWeight:
     offset: torch.Tensor | None  # [N, K // group_size] float32; None for 8 bits
     group_size: int = GROUP_SIZE
     kind: str | None = None  # a GGUF file's block type ("Q4_0", "Q4_1", "Q8_0"); None: round to nearest
+    source: str | None = None  # a GGUF type these round-to-nearest codes were made from (one not kept)
 
     @property
     def shape(self) -> torch.Size:
@@ -102,7 +103,8 @@ def from_gguf_blocks(data: np.ndarray, kind: str, shape: tuple[int, int]) -> Qua
 
 
 # ------------------------------------------------------------------------- round to nearest
-def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = GROUP_SIZE) -> QuantizedWeight:
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = GROUP_SIZE,
+                 source: str | None = None) -> QuantizedWeight:
     """Round-to-nearest group-wise quantization of a dense [N, K] matrix (K % group_size == 0).
 
     4 bits is asymmetric (the group's min..max onto 0..15), 8 bits symmetric (max |w| onto 127),
@@ -128,7 +130,7 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int = GROUP_SIZE) 
         scale = scale16 if torch.isfinite(scale16).all() else scale
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = torch.round(w / safe[..., None]).clamp_(-127, 127).to(torch.int8)
-        return QuantizedWeight(8, codes.view(n, k), scale, None, group_size)
+        return QuantizedWeight(8, codes.view(n, k), scale, None, group_size, source=source)
     raise ValueError(f"bits must be 4 or 8; got {bits}")
 
 
@@ -148,11 +150,14 @@ def requantize(values: torch.Tensor, like: QuantizedWeight) -> QuantizedWeight:
     return quantize_gguf(values, like.kind)
 
 
+TORCH_QUANTIZER = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF types `quantize_gguf` writes
+
+
 def quantize_gguf(values: torch.Tensor, kind: str) -> QuantizedWeight:
     """Q4_0, Q4_1 or Q8_0 blocks of a dense [N, K] matrix, bit for bit what gguf's quantizer (the
     reference rounding of llama.cpp's ggml-quants.c) writes, in torch's threads: each step is
     its fp32 operation in its order, the scale rounded to fp16 only once the codes are made."""
-    if kind not in ("Q4_0", "Q4_1", "Q8_0"):
+    if kind not in TORCH_QUANTIZER:
         raise ValueError(f"no quantizer for GGUF type {kind}")
     n, k = values.shape
     # In slices of blocks: the temporaries stay a few MB (fresh pages for a whole 28M-value

@@ -3,9 +3,10 @@ tensors the model already has, as the loader and the model's constructors would 
 from a checkpoint holding those values.
 
 - Dense tiers: each value cast to the model's dtype (the loader's `.to(dtype)`).
-- Quantized tiers: each matrix re-quantized the way it was loaded (`quant.requantize`): a GGUF
-  file's Q4_0 / Q4_1 / Q8_0 blocks with gguf's quantizer, an HF checkpoint's int4 / int8 with
-  round-to-nearest; then packed for its kernel by the same constructor.
+- Quantized tiers: each matrix re-quantized the way it was loaded (`gguf_blocks.requantize`): a
+  GGUF file's Q4_0 / Q4_1 / Q8_0 blocks with gguf's quantizer, its other types (Q5_0, Q5_1, the
+  K-quants) as blocks of that type, an HF checkpoint's int4 / int8 with round-to-nearest; then
+  packed for its kernel by the same constructor.
 - A decoder layer with any new tensor is built again whole (`DecoderLayer`), from the new parts
   and its current ones, so fused matrices (q|k|v, gate|up) come out as a fresh load makes them; a
   tied head is rebuilt with the embedding. Then every tensor is copied into the existing one: no
@@ -27,7 +28,8 @@ from verispec.models.config import ModelConfig
 from verispec.models.linear import DenseLinear, Linear
 from verispec.models.llama import DecoderLayer, LlamaModel
 from verispec.models.loader import internal_name
-from verispec.models.quant import QuantizedWeight, requantize
+from verispec.models.gguf_blocks import GGUFBlocks, dequantize, is_quantized, requantize
+from verispec.models.quant import QuantizedWeight
 
 _LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
 
@@ -92,11 +94,11 @@ def check_update(named: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) ->
     return out
 
 
-def prepare(update: dict[str, torch.Tensor], model: LlamaModel) -> dict[str, "torch.Tensor | QuantizedWeight"]:
+def prepare(update: dict[str, torch.Tensor], model: LlamaModel) -> dict[str, "torch.Tensor | QuantizedWeight | GGUFBlocks"]:
     """What the loader would have handed over for these values: re-quantized where the model's
     tensor was loaded quantized, else cast. `model` may be a tensor-parallel shard: a quantized
     matrix's format is the same in every shard, and the full matrix is quantized before sharding."""
-    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    out: dict[str, torch.Tensor | QuantizedWeight | GGUFBlocks] = {}
     for name, values in update.items():
         like = model.sources.get(name)
         out[name] = requantize(values.float(), like) if like is not None else values.to(model.dtype)
@@ -114,11 +116,11 @@ class PendingUpdate:
     def commit(self) -> None:
         for _, old, fresh in self.pairs:
             old.copy_(fresh)
-        self.model.sources |= {n: w for n, w in self.new.items() if isinstance(w, QuantizedWeight)}
+        self.model.sources |= {n: w for n, w in self.new.items() if is_quantized(w)}
 
 
 @torch.inference_mode()
-def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeight"]) -> PendingUpdate:
+def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeight | GGUFBlocks"]) -> PendingUpdate:
     """`new` (this model's or shard's tensors, from `prepare`) built into modules as a fresh load
     would, and checked against the model's tensors; a ValueError if any would change format."""
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -138,13 +140,13 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
         pairs.append(("norm", model.norm.weight, new["norm"]))
     if "embed" in new:
         embed = new["embed"]
-        table = embed.dequantize() if isinstance(embed, QuantizedWeight) else embed
+        table = dequantize(embed) if is_quantized(embed) else embed
         pairs.append(("embed", model.embed, table.to(device=model.embed.device, dtype=model.dtype)))
     if "embed" in new or "lm_head" in new:
         embed = new.get("embed", model.sources.get("embed", model.embed))
         lm_head = new.get("lm_head", model.sources.get("lm_head", _dense_head(model)))
         head = lm_head if lm_head is not None and not model.cfg.tie_word_embeddings else embed
-        if isinstance(model.lm_head, (Linear, DenseLinear)) and not isinstance(head, QuantizedWeight):
+        if isinstance(model.lm_head, (Linear, DenseLinear)) and not is_quantized(head):
             pairs.append(("lm_head", *model.lm_head.part(0, head.shape[0], head.to(model.dtype))))
         else:
             pairs += _tensor_pairs("lm_head", model.lm_head, model.make_head(embed, lm_head))
@@ -190,7 +192,7 @@ def _dense_layer_pairs(layer: DecoderLayer, p: str, new: dict) -> list[tuple[str
     return pairs
 
 
-def _layer_parts(model: LlamaModel, i: int) -> dict[str, "torch.Tensor | QuantizedWeight"]:
+def _layer_parts(model: LlamaModel, i: int) -> dict[str, "torch.Tensor | QuantizedWeight | GGUFBlocks"]:
     """Layer i's tensors as the loader handed them over: the quantized ones as kept, the dense ones
     read back from the modules (a fused matrix split into its parts)."""
     layer, p = model.layers[i], f"layers.{i}."
