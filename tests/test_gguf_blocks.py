@@ -162,3 +162,21 @@ def test_rows_are_read_from_the_file_when_needed(tmp_path):
     assert torch.equal(swapped.dequantize(), blocks.dequantize().flip(0))
     with pytest.raises(ValueError, match="truncated"):
         GGUFBlocks.from_file(path, 100, "Q6_K", (8, 256)).raw()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_a_weight_update_requantizes_to_the_files_type(kind):
+    """New values (a trainer's update) go back into the type the matrix was loaded in, and pack
+    into buffers of the same shapes, so the update writes into the model's tensors in place."""
+    from verispec.models.gguf_blocks import requantize
+
+    n, k = 32, 512
+    like = GGUFBlocks.of(random_blocks(kind, n, k), kind, (n, k))
+    values = torch.randn(n, k) * 0.02
+    new = requantize(values, like)
+    assert new.kind == kind
+    old_layer, new_layer = PackedLinear(like, CPU), PackedLinear(new, CPU)
+    for name, buf in old_layer.named_buffers():
+        assert getattr(new_layer, name).shape == buf.shape, name
+    err = (new.dequantize() - values).abs().max() / values.abs().max()
+    assert err < {"Q4_0": 0.15, "Q4_K": 0.15}.get(kind, 0.08)
