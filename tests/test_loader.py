@@ -39,3 +39,20 @@ def test_a_damaged_tokenizer_cache_is_rebuilt(smollm2_path, tmp_path, monkeypatc
     assert "rebuilding the cached tokenizer" in caplog.text
     assert again.encode("Hello, world") == first.encode("Hello, world")
     assert load_tokenizer(smollm2_path).encode("Hello") == first.encode("Hello")  # the rebuilt entry loads
+
+
+def test_weight_kinds_names_the_kept_types_and_those_re_quantized():
+    """The start-up line's account of a GGUF file's matrices: the types kept as the file's blocks,
+    then the types verispec has no kernel for, which it re-quantizes to 8 bits: never silently."""
+    import numpy as np
+
+    from verispec.models.gguf_blocks import GGUFBlocks
+    from verispec.models.loader import weight_kinds
+    from verispec.models.quant import quantize_rtn
+
+    dense = torch.randn(32, 256)
+    weights = {"layers.0.q": GGUFBlocks.of(np.zeros((32, 144), np.uint8), "Q4_K", (32, 256)),
+               "layers.0.v": GGUFBlocks.of(np.zeros((32, 210), np.uint8), "Q6_K", (32, 256)),
+               "layers.0.k": quantize_rtn(dense, 8, source="IQ4_XS"), "norm": torch.ones(256)}
+    assert weight_kinds(weights) == "Q4_K, Q6_K; IQ4_XS re-quantized to 8 bits"
+    assert weight_kinds({"embed": dense}) == ""

@@ -27,7 +27,11 @@ def test_the_line_and_the_labels_say_the_same_things():
     assert info.line() == (f"verispec: fast tier (bfloat16 + gguf) on {info.cpu_capability}, kernels {info.kernels}, "
                            "compiled step")
     assert info.labels() == {"tier": "fast", "precision": "bfloat16 + gguf", "cpu_capability": info.cpu_capability,
-                             "kernels": info.kernels, "step": "compiled"}
+                             "kernels": info.kernels, "step": "compiled", "weights": ""}
+    kinds = RuntimeInfo.of(torch.bfloat16, "gguf", torch.device("cpu"), compiled=False,
+                           weights="Q4_K, Q6_K; IQ4_XS re-quantized to 8 bits")
+    assert kinds.line().startswith("verispec: fast tier (bfloat16 + gguf: Q4_K, Q6_K; IQ4_XS re-quantized to 8 bits) on ")
+    assert kinds.labels()["weights"] == "Q4_K, Q6_K; IQ4_XS re-quantized to 8 bits"
 
 
 def test_on_a_gpu_the_capability_is_the_device_and_the_kernels_torchs():
