@@ -16,6 +16,14 @@ inline void prefetch_group(const uint8_t* next, int64_t bytes) {  // the weights
   for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(next + e);
 }
 
+// How far ahead of group g the weights are prefetched. Where a block takes two passes (8-lane
+// machines: columns 0..7, then 8..15), the first pass brings the block's bytes in and the second
+// reads them from L2: it prefetches the next block instead, so memory streams during both passes
+// rather than idling through the second (1B decode at one thread: ~8.6 -> ~10 GB/s).
+inline int64_t prefetch_distance(int64_t h, int64_t groups, int64_t bytes) {
+  return (kCols / V::kCols > 1 && h + 1 == kCols / V::kCols ? groups : kPrefetchGroups) * bytes;
+}
+
 // R rows x 16 output columns of one column block of 4-bit codes (Q4_0, Q4_1), over every group
 // of K, on int8 activations (packed_activations.h). `out` is [R][16] fp32. A group's integer value
 // is T1 (over q1), or 254 T1 + T2 in an outlier group (T2 over the residual), exact in fp32.
@@ -32,7 +40,7 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = block * groups + g;
       const uint8_t* raw = w.codes + at * kBytes4 + h * 2 * V::kCols;
-      prefetch_group(raw + kPrefetchGroups * kBytes4, kBytes4);
+      prefetch_group(raw - h * 2 * V::kCols + prefetch_distance(h, groups, kBytes4), kBytes4);
       const int8_t* x = a.q8 + r0 * k + g * kGroup;
       typename V::I dot[R][C];  // exact sums of code x q1 over the group, in V::dot8's partial form
 #pragma GCC unroll 8
@@ -90,7 +98,7 @@ void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = block * groups + g;
       const uint8_t* raw = w.codes + at * kBytes8 + h * 2 * V::kCols;
-      prefetch_group(raw + kPrefetchGroups * kBytes8, kBytes8);
+      prefetch_group(raw - h * 2 * V::kCols + prefetch_distance(h, groups, kBytes8), kBytes8);
       const int16_t* x = a.q16 + r0 * k + g * kGroup;
       typename V::I dot[R][C];
 #pragma GCC unroll 8

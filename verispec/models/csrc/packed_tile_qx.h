@@ -86,7 +86,7 @@ void tile_qx(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = block * groups + g;
       const uint8_t* raw = w.codes + at * bytes;
-      prefetch_group(raw + kPrefetchGroups * bytes, bytes);
+      prefetch_group(raw + prefetch_distance(h, groups, bytes), bytes);
       typename V::B wv[kRuns];
 #pragma GCC unroll 8
       for (int p = 0; p < kRuns; ++p) wv[p] = qx_codes<Fmt>(raw, p, h);
