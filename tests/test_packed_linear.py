@@ -205,7 +205,7 @@ def test_bad_operands_are_refused_with_the_reason():
     layer = PackedLinear(gguf_like("Q4_1", 32, 64), CPU)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops().packed_linear(torch.randn(1, 48), layer.codes, layer.scales, layer.offsets, layer.format, 32)
-    with pytest.raises(RuntimeError, match="offsets are given for Q4_1 only"):
+    with pytest.raises(RuntimeError, match="offsets are given for Q4_1, Q5_1, Q4_K and Q5_K only"):
         ops().packed_linear(torch.randn(1, 64), layer.codes, layer.scales, None, layer.format, 32)
     with pytest.raises(RuntimeError, match="n does not match"):
         ops().packed_linear(torch.randn(1, 64), layer.codes, layer.scales, layer.offsets, layer.format, 64)
