@@ -180,3 +180,29 @@ def test_a_weight_update_requantizes_to_the_files_type(kind):
         assert getattr(new_layer, name).shape == buf.shape, name
     err = (new.dequantize() - values).abs().max() / values.abs().max()
     assert err < {"Q4_0": 0.15, "Q4_K": 0.15}.get(kind, 0.08)
+
+
+@pytest.mark.parametrize("kind", PACKED_KINDS)
+def test_rows_of_a_packed_matrix_are_its_exact_values(kind):
+    """A tied embedding's lookup reads the packed head's rows: each value exactly gguf's, rounded
+    once to the activations' dtype."""
+    n, k = 40, 512
+    raw = random_blocks(kind, n, k, seed=9)
+    layer = PackedLinear(GGUFBlocks.of(raw, kind, (n, k)), CPU)
+    ids = torch.tensor([0, 39, 17, 17, 5])
+    want = torch.from_numpy(gguf_dequantize(raw, kind, (n, k)))[ids]
+    assert torch.equal(layer.rows(ids, torch.float32), want)
+    assert torch.equal(layer.rows(ids, torch.bfloat16), want.bfloat16())
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer.rows(torch.tensor([40]), torch.float32)
+
+
+def test_a_tied_packed_head_serves_the_lookup_without_a_dense_table(smollm2_path):
+    from verispec.models.llama import LlamaModel
+    from verispec.models.loader import load_checkpoint
+
+    cfg, weights = load_checkpoint(smollm2_path, torch.bfloat16, "gguf")
+    model = LlamaModel(cfg, weights, num_layers=1)
+    assert model.embed.numel() == 0 and isinstance(model.lm_head, PackedLinear)
+    ids = torch.tensor([1, 2, 49151])
+    assert torch.equal(model.embed_tokens(ids), weights["embed"].dequantize()[ids].bfloat16())

@@ -251,6 +251,9 @@ def _register_fakes() -> None:
         torch.library.register_fake("verispec_cpu::dense_linear")(
             lambda x, weights, n: x.new_empty((x.shape[0], n), dtype=torch.float32))
         torch.library.register_fake("verispec_cpu::rms_norm")(lambda x, weight, eps: x.new_empty(x.shape))
+        torch.library.register_fake("verispec_cpu::packed_rows")(
+            lambda ids, codes, scales, offsets, format, n, dtype: codes.new_empty(
+                (ids.numel(), codes.shape[1] * 32), dtype=dtype))
         _fakes_registered = True
 
 

@@ -293,6 +293,11 @@ class PackedLinear(nn.Module):
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return residual + self._matmul(x)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the matrix, each weight its exact value rounded once to `dtype`: a tied
+        embedding's lookup, with no dense table beside the packed one."""
+        return torch.ops.verispec_cpu.packed_rows(ids, self.codes, self.scales, self.offsets, self.format, self.n, dtype)
+
 
 class StackedLinear(nn.Module):
     """Matrices of different formats stacked along N (`gguf_blocks.Stacked`), each on its own

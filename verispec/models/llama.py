@@ -15,8 +15,9 @@ from torch import nn
 from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
-from verispec.models.linear import make_linear
+from verispec.models.linear import make_linear, packed_wanted
 from verispec.models.gguf_blocks import concat_rows, dequantize, is_quantized
+from verispec.models.quant import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -134,11 +135,14 @@ class LlamaModel(nn.Module):
         embed = weights["embed"]
         dtype = dtype or (torch.bfloat16 if is_quantized(embed) else embed.dtype)
         device = torch.device(device)
-        # The lookup needs dense rows; a quantized table is dequantized once (exact values).
-        table = dequantize(embed).to(device=device, dtype=dtype) if is_quantized(embed) else embed.to(device, dtype)
-        self.embed = nn.Parameter(table, requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, weights, i, dtype, device, parallel) for i in range(n))
         self.norm = RMSNorm(weights["norm"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
+        # Token lookups read a tied head's packed rows where it runs packed (`PackedLinear.rows`):
+        # no dense table beside it. Otherwise a quantized table is dequantized once (exact values).
+        tied = cfg.tie_word_embeddings or "lm_head" not in weights
+        rows_of_head = tied and parallel is None and is_quantized(embed) and packed_wanted(embed, dtype, device)
+        table = torch.empty(0, cfg.hidden_size) if rows_of_head else dequantize(embed) if is_quantized(embed) else embed
+        self.embed = nn.Parameter(table.to(device=device, dtype=dtype), requires_grad=False)
         self.lm_head = self.make_head(embed, weights.get("lm_head"))
         # The quantized matrices as loaded: an update of one part of a fused matrix (q of q|k|v)
         # re-packs it with the others' codes (verispec/models/weights.py).
@@ -153,11 +157,12 @@ class LlamaModel(nn.Module):
     def make_head(self, embed, lm_head) -> nn.Module:
         """The lm_head: its own matrix, or the embedding's when tied (or absent)."""
         tied = self.cfg.tie_word_embeddings or lm_head is None
-        if tied and is_quantized(embed):
+        if tied and isinstance(embed, QuantizedWeight) and self.embed.numel():
             # Past the kernels' rows (prefill-sized batches) the dense table, already in memory for
             # the lookup, replaces dequantizing 28M weights.
             return make_linear(embed, self.dtype, self.embed.device, head=True, dense=self.embed)
         return make_linear(embed if tied else lm_head, self.dtype, self.embed.device, head=True)
+
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
@@ -187,6 +192,8 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.embed.numel():  # the tied head's packed rows
+            return self.lm_head.rows(input_ids, self.dtype)
         if self.parallel is None:
             return F.embedding(input_ids, self.embed)
         # Vocabulary-parallel: each rank looks up the ids in its rows and zeros the others; the

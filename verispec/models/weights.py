@@ -138,7 +138,7 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
             pairs += _tensor_pairs(f"layers.{i}", old, fresh)
     if "norm" in new:
         pairs.append(("norm", model.norm.weight, new["norm"]))
-    if "embed" in new:
+    if "embed" in new and model.embed.numel():  # an empty table: lookups read the tied head's rows
         embed = new["embed"]
         table = dequantize(embed) if is_quantized(embed) else embed
         pairs.append(("embed", model.embed, table.to(device=model.embed.device, dtype=model.dtype)))

@@ -81,19 +81,23 @@ void dequantize_blocks(const uint8_t* cp, const at::Half* dp, const at::Half* mp
   }
 }
 
-// One group of column c of a 5/6-bit or K-quant block, decoded exactly to fp32 as gguf's own
-// dequantize computes it: d (q - centre) + m, (d sc) q - (dmin mn), (d sc) (q - 32); the scale
-// products are exact, so each weight rounds once, as there.
-void decode_qx_group(int fmt, const uint8_t* raw, const uint16_t* d, const uint16_t* m, int64_t col, float* out) {
+// One group of column c, decoded exactly to fp32 as gguf's own dequantize computes it:
+// d (q - centre) + m, d q (Q8_0), (d sc) q - (dmin mn), (d sc) (q - 32); the scale products are
+// exact, so each weight rounds once, as there. `d` and `m` point at the column's scale (offset).
+void decode_group(int fmt, const uint8_t* raw, const uint16_t* d, const uint16_t* m, int64_t col, float* out) {
   const int bits = code_bits(fmt);
   const int64_t subs = kBytes4 + high_bytes(fmt);
+  const float dd = c10::detail::fp16_ieee_to_fp32_value(*d);
   for (int64_t j = 0; j < kGroup; ++j) {
+    if (fmt == kQ8_0) {  // run p = j / 2: byte 2c + e is column c's code for input 2p + e
+      out[j] = dd * static_cast<float>(static_cast<int8_t>(raw[(j / 2) * 2 * kCols + 2 * col + j % 2]));
+      continue;
+    }
     const int64_t p = j / 4, i = j % 4;
     const uint8_t byte = raw[p * 2 * kCols + 2 * col + i % 2];
     int q = i < 2 ? byte & 0x0F : byte >> 4;
     if (bits == 5) q |= ((raw[kBytes4 + (p / 2) * kCols + col] >> (4 * (p % 2) + i)) & 1) << 4;
     if (bits == 6) q |= ((raw[kBytes4 + p * kCols + col] >> (2 * i)) & 3) << 4;
-    const float dd = c10::detail::fp16_ieee_to_fp32_value(*d);
     if (fmt == kQ6_K) {
       const float dg = dd * static_cast<float>(static_cast<int8_t>(raw[subs + (j / 16) * kCols + col]));
       out[j] = dg * static_cast<float>(q - 32);
@@ -109,6 +113,12 @@ void decode_qx_group(int fmt, const uint8_t* raw, const uint16_t* d, const uint1
   }
 }
 
+// Where column `col` of column block b, group g, has its scale (and offset): per group, or per
+// K-quant super-block.
+inline int64_t scale_index(int fmt, int64_t b, int64_t g, int64_t groups, int64_t col) {
+  return (is_kquant(fmt) ? b * (groups / kSuperGroups) + g / kSuperGroups : b * groups + g) * kCols + col;
+}
+
 template <typename T>
 void dequantize_qx(int fmt, const uint8_t* cp, const uint16_t* dp, const uint16_t* mp, T* wp, int64_t n,
                    int64_t groups, int64_t begin, int64_t end) {
@@ -116,9 +126,9 @@ void dequantize_qx(int fmt, const uint8_t* cp, const uint16_t* dp, const uint16_
   float v[kGroup];
   for (int64_t b = begin; b < end; ++b)
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = (is_kquant(fmt) ? b * (groups / kSuperGroups) + g / kSuperGroups : b * groups + g) * kCols;
       for (int64_t c = 0; c < std::min(kCols, n - b * kCols); ++c) {
-        decode_qx_group(fmt, cp + (b * groups + g) * bytes, dp + at + c, mp ? mp + at + c : nullptr, c, v);
+        const int64_t at = scale_index(fmt, b, g, groups, c);
+        decode_group(fmt, cp + (b * groups + g) * bytes, dp + at, mp ? mp + at : nullptr, c, v);
         T* out = wp + (b * kCols + c) * k + g * kGroup;
         for (int64_t j = 0; j < kGroup; ++j) out[j] = static_cast<T>(v[j]);
       }
@@ -161,9 +171,39 @@ at::Tensor packed_dequantize(const at::Tensor& codes, const at::Tensor& scales, 
   return direct == dtype ? w : w.to(dtype);
 }
 
+// Rows `ids` of the matrix (the embedding lookup of a model whose tied head is packed), each
+// weight exactly its fp32 value, then rounded once to `dtype`: no dense table is kept.
+at::Tensor packed_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& offsets, int64_t format, int64_t n, at::ScalarType dtype) {
+  const int64_t groups = codes.size(1), k = groups * kGroup;
+  check_weights(codes, scales, offsets, format, k);
+  const at::Tensor idx = ids.to(at::kLong).contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t t = idx.numel(), bytes = group_bytes(static_cast<int>(format));
+  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "packed_rows: id ", ip[r], " out of range");
+  at::Tensor out = at::empty({t, k}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* mp = offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = ip[r] / kCols, c = ip[r] % kCols;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = scale_index(static_cast<int>(format), b, g, groups, c);
+        decode_group(static_cast<int>(format), cp + (b * groups + g) * bytes, dp + at, mp ? mp + at : nullptr, c,
+                     op + r * k + g * kGroup);
+      }
+    }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(verispec_cpu, m) {
+  m.def("packed_rows(Tensor ids, Tensor codes, Tensor scales, Tensor? offsets, int format, int n, ScalarType dtype) -> Tensor");
+  m.impl("packed_rows", c10::DispatchKey::CPU, &packed_rows);
   m.def("packed_codes(Tensor codes, int bits) -> Tensor");
   m.def("packed_dequantize(Tensor codes, Tensor scales, Tensor? offsets, int format, int n, ScalarType dtype) -> Tensor");
   m.impl("packed_codes", c10::DispatchKey::CPU, &packed_codes);
