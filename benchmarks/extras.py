@@ -1,6 +1,6 @@
 """The verispec-only scenarios that run after the systems' tables, each with its own measurement,
 report and check: prefix caching, structured output, tensor parallelism, the cost curve, weight
-updates and suffix decoding. One entry per scenario, so the runner loops instead of naming each."""
+updates, suffix decoding and real files (named only). One entry per scenario, so the runner loops instead of naming each."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.cost_curve import run_cost_curve, write_curve
+from benchmarks.formats import run_formats, write_formats
 from benchmarks.options import BenchConfig
 from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.scenarios import (
-    COST_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, STRUCTURED_SCENARIO, SUFFIX_SCENARIO, WEIGHTS_SCENARIO,
+    COST_SCENARIO, FORMATS_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, STRUCTURED_SCENARIO, SUFFIX_SCENARIO,
+    WEIGHTS_SCENARIO,
 )
 from benchmarks.structured import run_structured, write_structured
 from benchmarks.suffix import run_suffix, write_suffix
@@ -59,4 +61,7 @@ EXTRAS: tuple[Extra, ...] = (
     Extra(SUFFIX_SCENARIO, "suffix decoding against ngram and plain: agent loop, code edit, RL rollouts "
           "(verispec, in process)", "suffix decoding, three workloads",
           lambda c, tok, log: run_suffix(c.quick, c.max_tokens, c.runs, log), write_suffix, _suffix_check),
+    Extra(FORMATS_SCENARIO, "real files: a 1B model in Q4_K_M, Q4_0 and Q8_0 against llama-bench (fresh processes)",
+          "GGUF types on a 1B model against llama-bench",
+          lambda c, tok, log: run_formats(c.quick, log), write_formats),
 )
