@@ -24,7 +24,7 @@ from verispec.models.loader import cache_dir
 ROOT = Path(__file__).resolve().parent.parent
 # Kernels (attention, the exact tier's matmul, the fast tier's packed matmul), torch's int4 kernels and the dense path, the fast
 # tier's fidelity and speculation, logits against HF, and the compiled stack.
-CAPABILITY_MODULES = ["test_cpu_kernels.py", "test_cpu_kernels_rowwise.py", "test_packed_linear.py", "test_quant.py", "test_fast_tier.py", "test_llama.py", "test_compile.py"]
+CAPABILITY_MODULES = ["test_cpu_kernels.py", "test_cpu_kernels_rowwise.py", "test_packed_linear.py", "test_gguf_blocks.py", "test_quant.py", "test_fast_tier.py", "test_llama.py", "test_compile.py"]
 # Left to the best level, for time (the portable int4 kernel decodes about 10x slower): the chat
 # sample's 256 decode rows (the long-prompt fidelity test measures prompt and decode rows at every
 # level) and SmolLM2's speculative-vs-plain run (the tiny models' runs cover every drafter).
