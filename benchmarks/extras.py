@@ -1,6 +1,6 @@
 """The verispec-only scenarios that run after the systems' tables, each with its own measurement,
 report and check: prefix caching, structured output, tensor parallelism, the cost curve, weight
-updates, suffix decoding and real files (named only). One entry per scenario, so the runner loops instead of naming each."""
+updates, suffix decoding, real files and serving (the last two named only). One entry per scenario, so the runner loops instead of naming each."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from benchmarks.cost_curve import run_cost_curve, write_curve
 from benchmarks.formats import run_formats, write_formats
 from benchmarks.options import BenchConfig
 from benchmarks.prefix import run_prefix, write_prefix
+from benchmarks.serving import run_serving, write_serving
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.scenarios import (
-    COST_SCENARIO, FORMATS_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, STRUCTURED_SCENARIO, SUFFIX_SCENARIO,
-    WEIGHTS_SCENARIO,
+    COST_SCENARIO, FORMATS_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, SERVING_SCENARIO, STRUCTURED_SCENARIO,
+    SUFFIX_SCENARIO, WEIGHTS_SCENARIO,
 )
 from benchmarks.structured import run_structured, write_structured
 from benchmarks.suffix import run_suffix, write_suffix
@@ -64,4 +65,7 @@ EXTRAS: tuple[Extra, ...] = (
     Extra(FORMATS_SCENARIO, "real files: a 1B model in Q4_K_M, Q4_0 and Q8_0 against llama-bench (fresh processes)",
           "GGUF types on a 1B model against llama-bench",
           lambda c, tok, log: run_formats(c.quick, log), write_formats),
+    Extra(SERVING_SCENARIO, "serving: verispec serve against llama-server, one OpenAI client (subprocesses)",
+          "verispec serve against llama-server -np 16",
+          lambda c, tok, log: run_serving((c.threads or 1,) if c.quick else (1, 2), c.out, log), write_serving),
 )

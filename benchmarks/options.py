@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.scenarios import ALL_SCENARIOS, FORMATS_SCENARIO
+from benchmarks.scenarios import ALL_SCENARIOS, NAMED_ONLY
 from benchmarks.system import PEERS
 
 DEFAULT_MAX_TOKENS, DEFAULT_RUNS = 128, 3
@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=None,
                         help=f"timed runs per figure, median reported (default {DEFAULT_RUNS}; {QUICK_RUNS} with --quick)")
     parser.add_argument("--scenarios", default=",".join(ALL_SCENARIOS),
-                        help=f"comma list of scenarios (default: %(default)s; also {FORMATS_SCENARIO}: a 1B model's "
-                             "GGUF types against llama-bench)")
+                        help="comma list of scenarios (default: %(default)s; named only: formats, a 1B model's "
+                             "GGUF types against llama-bench, and serving, verispec serve against llama-server)")
     parser.add_argument("--adaptive-queue", type=int, default=1, metavar="N",
                         help="adaptive sweep: submit N x batch requests with at most `batch` running at once "
                              "(continuous batching), instead of one fixed batch (default: %(default)s)")
@@ -64,9 +64,8 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     threads = getattr(args, "threads", None)
     if bad := [p for p in peers if p not in PEERS]:
         raise ValueError(f"unknown peer(s) {', '.join(bad)}; choose from {', '.join(PEERS)} or 'none'")
-    if bad := [s for s in scenarios if s not in (*ALL_SCENARIOS, FORMATS_SCENARIO)]:
-        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join(ALL_SCENARIOS)}, "
-                         f"{FORMATS_SCENARIO}")
+    if bad := [s for s in scenarios if s not in (*ALL_SCENARIOS, *NAMED_ONLY)]:
+        raise ValueError(f"unknown scenario(s) {', '.join(bad)}; choose from {', '.join((*ALL_SCENARIOS, *NAMED_ONLY))}")
     if not scenarios:
         raise ValueError("--scenarios names no scenario")
     queue = getattr(args, "adaptive_queue", 1)

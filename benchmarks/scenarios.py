@@ -62,6 +62,8 @@ WEIGHTS_SCENARIO = "weights"
 # Suffix decoding against prompt lookup and no drafter, three workloads (verispec only): see benchmarks/suffix.py.
 SUFFIX_SCENARIO = "suffix"
 FORMATS_SCENARIO = "formats"  # named only: it writes a 1B model once (benchmarks/formats.py)
+SERVING_SCENARIO = "serving"  # named only: verispec serve against llama-server (benchmarks/serving.py)
+NAMED_ONLY = (FORMATS_SCENARIO, SERVING_SCENARIO)
 ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO,
                  COST_SCENARIO, WEIGHTS_SCENARIO, SUFFIX_SCENARIO)
 

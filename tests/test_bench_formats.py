@@ -25,7 +25,7 @@ def test_the_table_gives_ratios_and_dashes_without_the_peer():
 def test_formats_is_named_only():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert "formats" not in resolve(parser.parse_args([])).scenarios
+    assert not {"formats", "serving"} & set(resolve(parser.parse_args([])).scenarios)
     assert resolve(parser.parse_args(["--scenarios", "formats"])).scenarios == ["formats"]
 
 
@@ -38,3 +38,12 @@ def test_the_feature_probe_lists_what_the_cpu_runs():
     assert ("GGML_AVX2" in found) == ("avx2" in flags)
     if "avx512f" not in flags:  # listed features may still fault; unlisted ones must never pass
         assert not [f for f in found if f.startswith("GGML_AVX512")]
+
+
+def test_the_serving_table_gives_ratios_and_names_the_peers_setting():
+    from benchmarks.serving import ServingRow, format_serving
+
+    table = format_serving([ServingRow("chat x16", 1, 312.7, 76.7, "-np 16"),
+                            ServingRow("extractive", 2, 50.0, None)]).splitlines()
+    assert table[2] == "| chat x16 | 1 | 312.7 | 76.7 (-np 16) | 4.08x |"
+    assert table[3] == "| extractive | 2 | 50.0 | - | - |"
