@@ -17,9 +17,7 @@ and however its prompt was chunked, so a hit must give the cold run's values bit
 from __future__ import annotations
 
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.prompts import chat_prompts
+from benchmarks.servers import Server
 from benchmarks.texts import REPORT
 
 SERVER_TIER = ("--dtype", "float32", "--quantization", "gguf")
@@ -73,34 +72,11 @@ class PrefixResults:
 
 
 # ------------------------------------------------------------------ an HTTP server per setting
-class _Server:
+class _Server(Server):
     def __init__(self, cache: bool, log_path: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "verispec.entrypoints.cli", "serve", "--port", str(self.port), *SERVER_TIER,
-                "--enable-prefix-caching" if cache else "--no-enable-prefix-caching", "--log-level", "warning"]
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 900.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode} (see {self._log.name})")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(1.0)
-        raise RuntimeError(f"the server did not start within {timeout_s:.0f}s")
-
-    def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            return json.loads(r.read())
+        super().__init__([sys.executable, "-m", "verispec.entrypoints.cli", "serve", "--port", "{port}", *SERVER_TIER,
+                          "--enable-prefix-caching" if cache else "--no-enable-prefix-caching", "--log-level",
+                          "warning"], log_path)
 
     def stream_chat(self, messages: list[dict], max_tokens: int) -> tuple[float, str]:
         """(time to the first content chunk, the whole answer)."""
@@ -119,14 +95,6 @@ class _Server:
                         first = first if first is not None else time.perf_counter() - start
                         text.append(piece)
         return (first if first is not None else time.perf_counter() - start), "".join(text)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
 
 
 # ------------------------------------------------------------------ workloads

@@ -15,12 +15,8 @@ request sent to the last answer received, and verispec's ratio."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +25,7 @@ from typing import Any, Callable
 from benchmarks.model_1b import llama_cpp_tool
 from benchmarks.prompts import chat_prompts, extractive_prompt
 from benchmarks.report import write_section
+from benchmarks.servers import Server
 
 MAX_TOKENS = 128
 LLAMA_SPEC_TYPES = ("ngram-mod", "ngram-simple")
@@ -43,54 +40,19 @@ class ServingRow:
     llama_setting: str = ""
 
 
-class Server:
-    """A server subprocess on a free loopback port, ready once /health answers 200."""
+def _complete(server: Server, prompt: str) -> int:
+    """One greedy completion of MAX_TOKENS; returns its completion tokens."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    return int(server.post("/v1/completions", body)["usage"]["completion_tokens"])
 
-    def __init__(self, args: list[str], log: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([a.replace("{port}", str(self.port)) for a in args], stdout=self._log,
-                                     stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout_s: float = 900.0) -> "Server":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode} (see {self._log.name})")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(1.0)
-        raise RuntimeError(f"the server did not start within {timeout_s:.0f} s (see {self._log.name})")
-
-    def complete(self, prompt: str) -> int:
-        """One greedy completion of MAX_TOKENS; returns its completion tokens."""
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        req = urllib.request.Request(self.url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=900) as r:
-            return int(json.loads(r.read())["usage"]["completion_tokens"])
-
-    def throughput(self, prompts: list[str]) -> float:
-        """Completion tokens per second, all prompts sent at once."""
-        self.complete(prompts[0][:64])  # a warm-up request
-        start = time.perf_counter()
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            tokens = sum(pool.map(self.complete, prompts))
-        return tokens / (time.perf_counter() - start)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
+def _throughput(server: Server, prompts: list[str]) -> float:
+    """Completion tokens per second, all prompts sent at once."""
+    _complete(server, prompts[0][:64])  # a warm-up request
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        tokens = sum(pool.map(lambda p: _complete(server, p), prompts))
+    return tokens / (time.perf_counter() - start)
 
 
 def _verispec_args(model: str, threads: int, spec: bool) -> list[str]:
@@ -108,7 +70,7 @@ def _llama_args(tool: Path, model: str, threads: int, slots: int, spec_type: str
 def _measure(args: list[str], prompts: list[str], log: Path) -> float:
     server = Server(args, log).wait_ready()
     try:
-        return server.throughput(prompts)
+        return _throughput(server, prompts)
     finally:
         server.stop()
 
