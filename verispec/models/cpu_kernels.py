@@ -4,10 +4,11 @@
   on a CPU, mostly fixed overhead, plus the Python that gathers blocks and builds masks; the kernel
   reads the cache blocks in place in a few microseconds, and on long prefill chunks it matches
   SDPA's flash attention. Its results do not depend on how a step is cut.
-- The fast tier's packed matmul (`csrc/packed_linear.cpp`): GGUF Q4_0 / Q4_1 / Q8_0 blocks as in
-  the file, activations quantized per block of 32 (int8 with an int8 residual in outlier blocks
-  for 4-bit codes, int16 for 8-bit ones), exact integer dot products, one pass over the
-  weights for all of a call's rows; VNNI variants chosen at run time (models/linear.py,
+- The fast tier's packed matmul (`csrc/packed_linear.cpp`): GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+  Q4_K, Q5_K and Q6_K blocks with the file's bits (`csrc/gguf_pack.cpp` puts a file's rows into
+  the layout), activations quantized per block of 32 (int8 with an int8 residual in outlier
+  blocks for 4- to 6-bit codes, int16 for 8-bit ones), exact integer dot products, one pass over
+  the weights for all of a call's rows; VNNI variants chosen at run time (models/linear.py,
   `PackedLinear`).
 - Weight-only quantized matmul for the exact tier on GGUF codes (`csrc/quant_linear.cpp`: 8-bit
   and 4-bit codes decoded exactly to fp32, fp32 activations): fp32 output and the same
