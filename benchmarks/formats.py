@@ -5,7 +5,7 @@ holds beyond its runtime and the time from a warm start to the first token.
 
 `python -m benchmarks --scenarios formats` (not in the default set: it writes a 2 GB model once).
 Each verispec figure comes from a fresh child process (`--child`), so its peak memory is its own.
-Without llama.cpp's tools (`VERISPEC_LLAMA_CPP`, see benchmarks/build_llama_cpp.py) the peer's
+Without llama.cpp's tools (verispec/envs.py's variable, see benchmarks/build_llama_cpp.py) the peer's
 columns are empty and the log says how to build them."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from benchmarks.model_1b import SCHEMES, llama_cpp_tool, model_1b
 from benchmarks.report import write_section
+from verispec import envs
 
 THREADS = (1, 2)
 PROMPT, DECODE = 512, 128
@@ -100,7 +101,7 @@ def run_formats(quick: bool, log: Callable[[str], None]) -> list[FormatRow]:
 
     if llama_cpp_tool("llama-bench") is None:
         log("llama.cpp's tools are not built: `python -m benchmarks.build_llama_cpp` (about 20 minutes, once), "
-            "then set VERISPEC_LLAMA_CPP as it prints; the peer's columns stay empty")
+            f"then set {envs.LLAMA_CPP} as it prints; the peer's columns stay empty")
     rows = []
     for scheme in SCHEMES[:1] if quick else SCHEMES:
         path = model_1b(scheme, default_model_path(), log=log)

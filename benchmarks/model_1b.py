@@ -2,7 +2,7 @@
 heads, 8 KV heads, FFN 8192, tied embeddings, rope theta 500000) with SmolLM2's tokenizer (copied
 from the bundled file) and seeded random weights, written as an F16 GGUF file and quantized to the
 types people download (Q4_K_M, Q4_0, Q8_0): with llama.cpp's own `llama-quantize` where it is
-built (`VERISPEC_LLAMA_CPP`, docs/benchmarks.md), else with benchmarks/ggufs.py. Cached under
+built (verispec/envs.py's llama.cpp variable, docs/benchmarks.md), else with benchmarks/ggufs.py. Cached under
 verispec's cache, keyed by the shape, the seed and the quantizer.
 
 Random weights measure speed, memory and load time, never fidelity: fidelity is measured on
@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 
 from benchmarks.ggufs import field_value, requantize_file
+from verispec import envs
 from verispec.models.loader import cache_dir
 
 
@@ -42,8 +43,8 @@ _VERSION = 1
 
 def llama_cpp_tool(name: str) -> Path | None:
     """llama.cpp's `name` (llama-bench, llama-server, llama-quantize) from the directory
-    $VERISPEC_LLAMA_CPP names (its build's bin/), or None where it is not built."""
-    root = os.environ.get("VERISPEC_LLAMA_CPP")
+    the llama.cpp variable names (its build's bin/; verispec/envs.py), or None where it is not built."""
+    root = envs.llama_cpp_bin()
     if not root:
         return None
     tool = Path(root).expanduser() / name

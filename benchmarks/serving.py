@@ -26,6 +26,7 @@ from benchmarks.model_1b import llama_cpp_tool
 from benchmarks.prompts import chat_prompts, extractive_prompt
 from benchmarks.report import write_section
 from benchmarks.servers import Server
+from verispec import envs
 
 MAX_TOKENS = 128
 LLAMA_SPEC_TYPES = ("ngram-mod", "ngram-simple")
@@ -83,7 +84,7 @@ def run_serving(threads_list: tuple[int, ...], out: Path, log: Callable[[str], N
     tok = load_tokenizer(model)
     tool = llama_cpp_tool("llama-server")
     if tool is None:
-        log("llama-server is not built: `python -m benchmarks.build_llama_cpp`, then set VERISPEC_LLAMA_CPP; "
+        log(f"llama-server is not built: `python -m benchmarks.build_llama_cpp`, then set {envs.LLAMA_CPP}; "
             "its column stays empty")
     chats = [p.text for p in chat_prompts(tok, 16)]
     extractive = [extractive_prompt(tok).text]

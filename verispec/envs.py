@@ -8,6 +8,7 @@ table). Each is read when asked for, so a test or a parent process may set it la
 | `VERISPEC_PACKED_KERNEL` | `1` | `0`: the fast tier's matrices run on torch's int4 kernel, not the packed one (comparisons) |
 | `VERISPEC_COMPILE` | `1` | `0`: `enforce_eager` defaults to true (no torch.compile); an engine's own setting still wins when true |
 | `VERISPEC_API_KEY` | unset | `verispec serve --api-key`'s default |
+| `VERISPEC_LLAMA_CPP` | unset | the benchmark's llama.cpp tools (their build's `bin/`; `python -m benchmarks.build_llama_cpp`) |
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ CPU_KERNELS = "VERISPEC_CPU_KERNELS"
 PACKED_KERNEL = "VERISPEC_PACKED_KERNEL"
 COMPILE = "VERISPEC_COMPILE"
 API_KEY = "VERISPEC_API_KEY"
+LLAMA_CPP = "VERISPEC_LLAMA_CPP"
 
 
 def _on(name: str) -> bool:
@@ -45,3 +47,7 @@ def compile_enabled() -> bool:
 
 def api_key() -> str | None:
     return os.environ.get(API_KEY)
+
+
+def llama_cpp_bin() -> str | None:
+    return os.environ.get(LLAMA_CPP) or None
