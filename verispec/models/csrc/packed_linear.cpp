@@ -1,5 +1,7 @@
 // The fast tier's weight-only quantized matmul for the CPU: y = x @ W^T with W kept as the file's
-// blocks (GGUF Q4_0, Q4_1, Q8_0: 32 weights per block, fp16 scales), 4-bit codes two per byte.
+// blocks (GGUF Q4_0, Q4_1, Q8_0, Q5_0, Q5_1: 32 weights per block, fp16 scales; Q4_K, Q5_K, Q6_K:
+// super-blocks of 256 with 6- or 8-bit sub-block scales), 4-bit codes two per byte, a fifth or
+// sixth bit in planes beside them (the 5/6-bit and K-quant tiles: packed_tile_qx.h).
 //
 // One call reads each block of codes once for all its rows (up to kMaxRows per register tile),
 // so a verify step of several rows costs little more than one row while the weights stream from
