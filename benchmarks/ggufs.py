@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -80,14 +81,19 @@ def quantized_copy(src: str | Path, scheme: str, cache_dir: str | Path) -> Path:
     if scheme not in FILE_TYPES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     path = cache_dir / f"{src.stem}.{scheme}.{file_key(src, scheme, str(_VERSION))}.gguf"
+    return written_once(path, lambda tmp: requantize_file(src, tmp, scheme))
+
+
+def written_once(path: Path, write: Callable[[Path], object]) -> Path:
+    """`path`, made by `write` unless it exists: written under a temporary name, then one rename, so
+    a reader never sees half a file and concurrent writers each finish their own before one
+    replaces the other."""
     if path.exists():
         return path
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # a temporary name, then one rename: a reader never sees half a file, and concurrent writers
-    # of the same copy each finish their own before one replaces the other
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        requantize_file(src, tmp, scheme)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

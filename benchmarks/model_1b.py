@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from benchmarks.ggufs import field_value, requantize_file
+from benchmarks.ggufs import field_value, requantize_file, written_once
 from verispec import envs
 from verispec.models.loader import cache_dir
 
@@ -60,31 +60,27 @@ def model_1b(scheme: str, tokenizer_file: str, shape: Shape = Shape(), log=print
     """The model in `scheme` (SCHEMES), made once and cached."""
     quantize = llama_cpp_tool("llama-quantize")
     root = cache_dir() / "bench-models"
-    root.mkdir(parents=True, exist_ok=True)
     f16 = root / f"llama1b-{_key(shape, 'f16')}.F16.gguf"
     if not f16.exists():
         log(f"writing the 1B benchmark model (random weights, seed {shape.seed}) to {f16}")
-        _write_f16(f16, shape, tokenizer_file)
+    written_once(f16, lambda tmp: _write_f16(tmp, shape, tokenizer_file))
     out = root / f"llama1b-{_key(shape, 'llama-quantize' if quantize else 'ggufs')}.{scheme}.gguf"
     if not out.exists():
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
         log(f"quantizing it to {scheme} with {quantize or 'benchmarks/ggufs.py'}")
-        try:
-            if quantize:
-                subprocess.run([str(quantize), str(f16), str(tmp), scheme], check=True, capture_output=True)
-            else:
-                requantize_file(f16, tmp, scheme)
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return out
+
+    def write(tmp: Path) -> None:
+        if quantize:
+            subprocess.run([str(quantize), str(f16), str(tmp), scheme], check=True, capture_output=True)
+        else:
+            requantize_file(f16, tmp, scheme)
+
+    return written_once(out, write)
 
 
 def _write_f16(path: Path, shape: Shape, tokenizer_file: str) -> None:
     reader = gguf.GGUFReader(tokenizer_file)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    writer = gguf.GGUFWriter(tmp, "llama", use_temp_file=True)
+    writer = gguf.GGUFWriter(path, "llama", use_temp_file=True)
     try:
         writer.add_name("verispec-bench-llama-1b")
         writer.add_context_length(shape.context)
@@ -108,7 +104,6 @@ def _write_f16(path: Path, shape: Shape, tokenizer_file: str) -> None:
         writer.write_tensors_to_file()
     finally:
         writer.close()
-    os.replace(tmp, path)
 
 
 def _add_tensors(writer: gguf.GGUFWriter, shape: Shape, vocab: int) -> None:
