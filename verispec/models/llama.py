@@ -15,8 +15,8 @@ from torch import nn
 from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
-from verispec.models.linear import make_linear, packed_wanted
 from verispec.models.gguf_blocks import concat_rows, dequantize, is_quantized
+from verispec.models.linear import make_linear, packed_wanted
 from verispec.models.quant import QuantizedWeight
 
 
@@ -162,7 +162,6 @@ class LlamaModel(nn.Module):
             # the lookup, replaces dequantizing 28M weights.
             return make_linear(embed, self.dtype, self.embed.device, head=True, dense=self.embed)
         return make_linear(embed if tied else lm_head, self.dtype, self.embed.device, head=True)
-
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -5,7 +5,7 @@ Both forms come out as one `ModelConfig` plus a dict of weights under verispec's
 knows where its weights came from. A weight is a dense fp32/dtype tensor, or, in the quantized
 tier, a GGUF file's blocks as the file stores them (`GGUFBlocks`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
 Q4_K, Q5_K, Q6_K) or a `QuantizedWeight` (round-to-nearest codes of an HF checkpoint's matrices,
-or 8-bit codes of a GGUF type verispec does not keep, which `requantized_kinds` names).
+or 8-bit codes of a GGUF type verispec does not keep, which `weight_kinds` names).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
 def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
     """keep_blocks: matrices of the packed kernel's types stay the file's blocks (read from the
     file when their layer is built); other quantized types (Q2_K, Q3_K, the IQ types) are
-    re-quantized to 8 bits, which loses next to nothing, and say so (`requantized_kinds`)."""
+    re-quantized to 8 bits, which loses next to nothing, and say so (`weight_kinds`)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
