@@ -58,11 +58,33 @@ def examples(n: int) -> int:
     return n * 10 if HYPOTHESIS_PROFILE == "explore" else n
 
 
+# Each family's features switched on at sizes a short test reaches: windows of 8 keys, soft-caps
+# that bite (scores and logits of this scale reach them), a query scale that is not the head size,
+# a second RoPE base with linear scaling, partial rotary with LongRoPE past a 64-token context.
+FAMILY_OVERRIDES = {
+    "qwen3": {"head_dim": 16},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 3.0,
+               "final_logit_softcapping": 6.0, "layer_types": ["sliding_attention", "full_attention"]},
+    "gemma3": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention"],
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}},
+    "phi3": {"sliding_window": 8, "pad_token_id": 0},
+    "phi4mini": {"pad_token_id": 0, "partial_rotary_factor": 0.75, "max_position_embeddings": 512, "original_max_position_embeddings": 64,
+                 "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                     "original_max_position_embeddings": 64,
+                                     "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                     "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]}},
+}
+NEW_FAMILIES = ("gemma2", "gemma3", "phi3", "phi4mini")
+
+
 def make_tiny_checkpoint(path, arch: str = "llama", seed: int | None = None, **overrides) -> str:
     """A tiny random HF model saved with save_pretrained; weights scaled up so that greedy
     decoding is not a sea of near-ties."""
     from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+        MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
         Qwen3Config, Qwen3ForCausalLM,
     )
 
@@ -77,13 +99,18 @@ def make_tiny_checkpoint(path, arch: str = "llama", seed: int | None = None, **o
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
+        "phi4mini": (Phi3Config, Phi3ForCausalLM),
     }
     cfg_cls, model_cls = classes[arch]
-    if arch == "qwen3":
-        common.setdefault("head_dim", 16)
+    for key, value in FAMILY_OVERRIDES.get(arch, {}).items():
+        common.setdefault(key, value)
     if arch == "mistral":
         common.setdefault("sliding_window", None)
-    torch.manual_seed({"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4}[arch] if seed is None else seed)
+    seeds = {"llama": 1, "qwen2": 2, "qwen3": 3, "mistral": 4, "gemma2": 5, "gemma3": 6, "phi3": 7, "phi4mini": 8}
+    torch.manual_seed(seeds[arch] if seed is None else seed)
     model = model_cls(cfg_cls(**common)).eval()
     model.save_pretrained(str(path))
     return str(path)

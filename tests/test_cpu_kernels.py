@@ -193,13 +193,13 @@ def test_out_of_range_indices_raise_instead_of_reading_memory():
     out = torch.empty_like(q)
     bad_table = seqs.tables.clone().fill_(8)  # the cache has blocks 0..7
     with pytest.raises(RuntimeError, match="block id out of range"):
-        op(q, k, v, cache.k, cache.v, meta.slot_mapping, seqs.seqs, bad_table, 0.125, out)
+        op(q, k, v, cache.k, cache.v, meta.slot_mapping, seqs.seqs, bad_table, 0.125, 0, 0.0, out)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        op(q, k, v, cache.k, cache.v, meta.slot_mapping + 8 * BLOCK, seqs.seqs, seqs.tables, 0.125, out)
+        op(q, k, v, cache.k, cache.v, meta.slot_mapping + 8 * BLOCK, seqs.seqs, seqs.tables, 0.125, 0, 0.0, out)
     too_long = seqs.seqs.clone()
     too_long[0, 2] = seqs.tables.shape[1] * BLOCK + 1  # more context than the table holds
     with pytest.raises(RuntimeError, match="does not fit"):
-        op(q, k, v, cache.k, cache.v, meta.slot_mapping, too_long, seqs.tables, 0.125, out)
+        op(q, k, v, cache.k, cache.v, meta.slot_mapping, too_long, seqs.tables, 0.125, 0, 0.0, out)
 
 
 def test_kernels_build_at_torchs_own_level():

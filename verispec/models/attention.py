@@ -19,7 +19,7 @@ Elsewhere (CUDA, or no C++ compiler) attention runs on SDPA, in groups:
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -60,6 +60,24 @@ class AttnGroup:
     head_major: bool = False
     head_major_masks: dict = field(default_factory=dict)  # number of kv heads -> mask
     covers_batch: bool = False  # its real rows are the whole flat batch, in order: no scatter
+    # For sliding-window layers: each query row's position [G, Q] and the keys' [K]; the group as
+    # a sliding layer sees it is built by the first such layer and kept by window.
+    q_pos: torch.Tensor | None = None
+    key_pos: torch.Tensor | None = None
+    windowed: dict = field(default_factory=dict)
+
+    def masked(self, window: int, dtype: torch.dtype) -> "AttnGroup":
+        """This group as a sliding layer of `window` sees it: keys further back than the window
+        masked too (a fresh prefill's causal shortcut becomes an explicit mask)."""
+        if not window:
+            return self
+        grp = self.windowed.get(window)
+        if grp is None:
+            q_pos, keys = self.q_pos[:, :, None], self.key_pos[None, None, :]
+            near = _additive(((keys <= q_pos) & (keys > q_pos - window))[:, None], dtype)  # [G, 1, Q, K]
+            mask = near if self.mask is None else self.mask + near
+            grp = self.windowed[window] = replace(self, mask=mask, causal=False, head_major_masks={}, windowed={})
+        return grp
 
 
 @dataclass(slots=True)
@@ -179,6 +197,10 @@ def _padded_tables(spans: list[SeqSpan], block_size: int) -> tuple[list[int], in
 def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: torch.dtype) -> AttnGroup:
     fresh = span.context_len == span.num_query  # no earlier chunk: attend to this chunk's k/v
     kv_blocks = mask = kv_run = None
+    offset = span.context_len - span.num_query
+    rows_pos = torch.arange(span.num_query, device=device)[None, :] + offset  # [1, Q]
+    key_pos = rows_pos[0] if fresh else torch.arange(_num_blocks(span.context_len, block_size) * block_size,
+                                                      device=device)
     if not fresh:
         nb = _num_blocks(span.context_len, block_size)
         kv_blocks = to_device(span.block_table[:nb], dtype=torch.long, device=device)
@@ -190,6 +212,7 @@ def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: 
     return AttnGroup(
         query_index=None, row_start=span.start, num_seqs=1, max_query=span.num_query,
         kv_blocks=kv_blocks, kv_run=kv_run, mask=mask, causal=fresh, out_valid=None, out_rows=None,
+        q_pos=rows_pos, key_pos=key_pos,
     )
 
 
@@ -223,7 +246,7 @@ def _padded_group(spans: list[SeqSpan], block_size: int, device: torch.device, d
         query_index=query_index, row_start=spans[0].start, num_seqs=g, max_query=max_q,
         kv_blocks=kv_blocks, kv_run=_run(tables) if g == 1 else None, mask=_additive(mask[:, None], dtype),
         causal=False, out_valid=out_valid, out_rows=out_rows,
-        head_major=head_major,
+        head_major=head_major, q_pos=q_pos, key_pos=keys[0, 0],
     )
 
 
@@ -234,27 +257,29 @@ def paged_attention(
     cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Writes this step's k/v into the cache, then attends; returns [T, H, D]."""
+    """Writes this step's k/v into the cache, then attends; returns [T, H, D]. window: a sliding
+    layer's (keys further back are not seen; 0: all); softcap: scores -> cap * tanh(scores / cap)."""
     if cache.keys_transposed:
-        return _kernel_attention(q, k, v, cache, meta, scale)
+        return _kernel_attention(q, k, v, cache, meta, scale, window, softcap)
     k_cache, v_cache = cache.k, cache.v
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = num_heads != kv_heads
-    if len(meta.groups) == 1 and meta.groups[0].causal:  # one fresh prefill: no gathers at all
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=gqa,
-        )
+    groups = [g.masked(window, q.dtype) for g in meta.groups]
+    if len(groups) == 1 and groups[0].causal:  # one fresh prefill: no gathers at all
+        out = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, True, scale,
+                    softcap, gqa)
         return out[0].transpose(0, 1)
-    if len(meta.groups) == 1 and meta.groups[0].covers_batch:  # every row in one group: no scatter
-        return _group_attention(q, k, v, k_cache, v_cache, meta.groups[0], scale)
+    if len(groups) == 1 and groups[0].covers_batch:  # every row in one group: no scatter
+        return _group_attention(q, k, v, k_cache, v_cache, groups[0], scale, softcap)
     out = torch.empty_like(q)
-    for grp in meta.groups:
-        og = _group_attention(q, k, v, k_cache, v_cache, grp, scale)
+    for grp in groups:
+        og = _group_attention(q, k, v, k_cache, v_cache, grp, scale, softcap)
         if grp.out_rows is None:
             out[grp.row_start : grp.row_start + og.shape[0]] = og
         else:
@@ -262,16 +287,34 @@ def paged_attention(
     return out
 
 
-def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _sdpa(q, k, v, mask, causal: bool, scale: float, softcap: float, gqa: bool) -> torch.Tensor:
+    """SDPA over [B, H, Q, D]; with a soft-cap, the same in plain ops (SDPA has no soft-cap), the
+    softmax in fp32 as the reference implementation does."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if causal:
+        n, m = scores.shape[-2], scores.shape[-1]
+        mask = _additive(torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n), scores.dtype)
+    if mask is not None:
+        scores = scores + mask
+    return (scores.float().softmax(-1).to(q.dtype)) @ v
+
+
+def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int,
+                      softcap: float) -> torch.Tensor:
     """The CPU kernel writes every row's k/v into the cache, then attends every row."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     seqs = meta.kernel
     torch.ops.verispec_cpu.paged_attention.default(q, k, v, cache.k, cache.v, meta.slot_mapping, seqs.seqs, seqs.tables,
-                                                scale, out)
+                                                scale, window, softcap, out)
     return out
 
 
-def _group_attention(q, k, v, k_cache, v_cache, grp: AttnGroup, scale: float) -> torch.Tensor:
+def _group_attention(q, k, v, k_cache, v_cache, grp: AttnGroup, scale: float, softcap: float) -> torch.Tensor:
     """One group's attention: its real rows' outputs, [rows, H, D] in flat-batch order."""
     g, nq = grp.num_seqs, grp.max_query
     num_heads, head_dim, kv_heads = q.shape[1], q.shape[2], k.shape[1]
@@ -289,18 +332,16 @@ def _group_attention(q, k, v, k_cache, v_cache, grp: AttnGroup, scale: float) ->
         kg = k_cache.index_select(0, grp.kv_blocks).view(g, -1, kv_heads, head_dim)
         vg = v_cache.index_select(0, grp.kv_blocks).view(g, -1, kv_heads, head_dim)
     if grp.head_major:
-        og = _head_major_attention(qg, kg, vg, grp, scale)
+        og = _head_major_attention(qg, kg, vg, grp, scale, softcap)
     else:
-        og = F.scaled_dot_product_attention(
-            qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
-            attn_mask=grp.mask, is_causal=grp.causal, scale=scale, enable_gqa=num_heads != kv_heads,
-        ).transpose(1, 2)  # [G, Q, H, D]
+        og = _sdpa(qg.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2), grp.mask, grp.causal, scale, softcap,
+                   num_heads != kv_heads).transpose(1, 2)  # [G, Q, H, D]
     og = og.reshape(g * nq, num_heads, head_dim)
     return og if grp.out_valid is None else og[grp.out_valid]
 
 
 def _head_major_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, grp: AttnGroup,
-                      scale: float) -> torch.Tensor:
+                          scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention for bf16 models: [G, Q, H, D] queries as [G, KV * Q, H/KV, D], one head
     per (kv head, request row) holding that kv head's H/KV query heads as its rows, with the
     row's causal mask. In bf16, SDPA rounds a head's result the same whatever the number of heads
@@ -316,8 +357,7 @@ def _head_major_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, 
         keys = grp.mask.shape[-1]
         mask = grp.mask.view(g, 1, nq, 1, keys).expand(g, kv_heads, nq, 1, keys)
         grp.head_major_masks[kv_heads] = mask = mask.reshape(g, kv_heads * nq, 1, keys)
-    out = F.scaled_dot_product_attention(folded, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
-                                         scale=scale, enable_gqa=nq > 1)
+    out = _sdpa(folded, kg.transpose(1, 2), vg.transpose(1, 2), mask, False, scale, softcap, nq > 1)
     return out.view(g, kv_heads, nq, per_kv, head_dim).transpose(1, 2).reshape(g, nq, num_heads, head_dim)
 
 
@@ -336,26 +376,29 @@ def attention_context(meta: AttentionMetadata, kv_caches: list):
         _context = outer
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int = 0,
+              softcap: float = 0.0) -> torch.Tensor:
     """Paged attention for layer `layer` of the running forward; opaque to torch.compile."""
     if torch.compiler.is_compiling():
-        return torch.ops.verispec.attention(q, k, v, layer, scale)
-    return _attention_op(q, k, v, layer, scale)
+        return torch.ops.verispec.attention(q, k, v, layer, scale, window, softcap)
+    return _attention_op(q, k, v, layer, scale, window, softcap)
 
 
 # The cache write is invisible to the compiler on purpose: the op's output is always used, so it
 # is never reordered or dropped, and the caches need not become graph inputs. A plain library
 # definition has half the dispatch overhead of `torch.library.custom_op`.
 _lib = torch.library.Library("verispec", "DEF")
-_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window, float softcap) -> Tensor")
 
 
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
+                  softcap: float) -> torch.Tensor:
     meta, caches = _context
-    return paged_attention(q, k, v, caches[layer], meta, scale).contiguous()
+    return paged_attention(q, k, v, caches[layer], meta, scale, window, softcap).contiguous()
 
 
-def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
+                     softcap: float) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

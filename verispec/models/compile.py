@@ -93,8 +93,9 @@ class CompiledStack:
 
     def __call__(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not self.warm:  # compiling: one graph whatever the size, 1 included (no 0/1 specialisation)
-            for t in (input_ids, cos, sin):
-                torch._dynamo.decorators.mark_unbacked(t, 0)
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            for t in (cos, sin):  # [tables, T, 1, rotary dims]
+                torch._dynamo.decorators.mark_unbacked(t, 1)
             # The model's float constants (norm eps, rope, attention scale) never change: traced
             # as symbols, they make Dynamo trace the whole stack a second time (a third of the
             # compile) to specialise them after all.

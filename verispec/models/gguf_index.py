@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from verispec.models.config import ModelConfig
 
-_VERSION = 1  # bump when the cached layout changes
+_VERSION = 2  # bump when the cached layout changes
 
 
 @dataclass(slots=True)

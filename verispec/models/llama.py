@@ -1,4 +1,7 @@
-"""Llama-family forward (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
+"""The decoder forward of every family verispec runs (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2,
+Gemma 3, Phi-3 / Phi-4) over a flat batch of tokens; models/architectures.py says which family
+uses which feature (sandwich norms, GeGLU, scaled embeddings, soft-capping, sliding windows, a
+second RoPE base, partial rotary, LongRoPE).
 
 Linear layers come from `make_linear` (verispec.models.linear): dense, or quantized and packed
 for the int4 kernels. The layer code never knows which.
@@ -7,11 +10,13 @@ for the int4 kernels. The layer code never knows which.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verispec.models.architectures import family
 from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
@@ -40,15 +45,22 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies over the rotated dims, the factor on cos and sin). local: the sliding
+    layers' own unscaled base (Gemma 3)."""
+    dim = cfg.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if local:
+        return 1.0 / (cfg.rope_local_theta**exponents), 1.0
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "longrope":
+        return _longrope(cfg, scaling, exponents)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -59,14 +71,33 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3, longrope)")
+
+
+def _longrope(cfg: ModelConfig, scaling: dict, exponents: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency factors, the long ones where the engine's context passes the
+    original one (as llama.cpp chooses: one choice per engine, so a cached key never changes), and
+    cos / sin scaled by sqrt(1 + ln(factor) / ln(original)) unless the config names the factor."""
+    original = int(scaling["original_max_position_embeddings"])
+    context = cfg.rope_context or cfg.max_position_embeddings
+    factors = scaling["long_factor"] if context > original else scaling["short_factor"]
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta**exponents)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = scaling.get("factor") or cfg.max_position_embeddings / original
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(attention_factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into signed_sin (negation is
-    exact, so the result is bit-identical) to save an op per layer."""
-    half = x.shape[-1] // 2
+    exact, so the result is bit-identical) to save an op per layer. Tables narrower than the head
+    rotate its first dims and pass the rest (partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, signed_sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
@@ -75,24 +106,31 @@ class DecoderLayer(nn.Module):
         super().__init__()
         prefix, self.index, self.parallel = f"layers.{index}.", index, parallel
         get = lambda name: w.get(prefix + name)  # noqa: E731
-        dense = lambda name: w[prefix + name].to(device=device, dtype=dtype)  # noqa: E731
         linear = lambda weight, bias=None: make_linear(weight, dtype, device, bias)  # noqa: E731
+        norm = lambda name: RMSNorm(w[prefix + name].to(device=device, dtype=dtype), cfg.rms_norm_eps)  # noqa: E731
+        fam = family(cfg.architecture)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self.attn_norm = RMSNorm(dense("attn_norm"), cfg.rms_norm_eps)
-        self.mlp_norm = RMSNorm(dense("mlp_norm"), cfg.rms_norm_eps)
+        self.scale = (cfg.query_scalar or cfg.head_dim) ** -0.5
+        self.window, self.softcap = cfg.window(index), float(cfg.attn_softcap or 0.0)
+        # Gemma 3's sliding layers rotate with a base of their own: the model's second table.
+        self.rope_table = 1 if self.window and cfg.rope_local_theta else 0
+        self.attn_norm, self.mlp_norm = norm("attn_norm"), norm("mlp_norm")
+        # Gemma 2 / 3 also norm the attention's and the MLP's outputs before the residual.
+        self.post_attn_norm = norm("post_attn_norm") if fam.sandwich_norms else None
+        self.post_mlp_norm = norm("post_mlp_norm") if fam.sandwich_norms else None
         # q, k and v in one matmul: one weight read per layer instead of three.
         bias = None
         if cfg.attention_bias:
             bias = torch.cat([get("q_bias"), get("k_bias"), get("v_bias")])
         self.qkv = linear(concat_rows([get("q"), get("k"), get("v")]), bias)
         self.o = linear(get("o"))
-        self.q_norm = RMSNorm(dense("q_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(dense("k_norm"), cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = norm("q_norm") if cfg.qk_norm else None
+        self.k_norm = norm("k_norm") if cfg.qk_norm else None
         self.gate_up = linear(concat_rows([get("gate"), get("up")]))
         self.down = linear(get("down"))
+        self.act = partial(F.gelu, approximate="tanh") if fam.activation == "gelu_tanh" else F.silu
         self.inter = cfg.intermediate_size
         self.o_rows = self.down_rows = cfg.hidden_size
 
@@ -105,17 +143,20 @@ class DecoderLayer(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
         # q and k rotate together: one set of elementwise ops per layer instead of two.
         qk = apply_rope(qk, cos, sin)
-        attn = attention(qk[:, :nh], qk[:, nh:], v, self.index, self.scale)
-        x = self._row_parallel(self.o, attn.reshape(t, self.q_size), x)
+        attn = attention(qk[:, :nh], qk[:, nh:], v, self.index, self.scale, self.window, self.softcap)
+        x = self._residual(self.o, attn.reshape(t, self.q_size), x, self.post_attn_norm)
         gate_up = self.gate_up(self.mlp_norm(x))
-        return self._row_parallel(self.down, F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x)
+        return self._residual(self.down, self.act(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x,
+                              self.post_mlp_norm)
 
-    def _row_parallel(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ W_t; under tensor parallelism each rank holds some of W's input columns,
-        and the partial products are summed across ranks before the residual is added (once)."""
-        if self.parallel is None:
+    def _residual(self, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, post_norm) -> torch.Tensor:
+        """residual + x @ W_t (normed first where the family norms outputs); under tensor
+        parallelism each rank holds some of W's input columns, and the partial products are summed
+        across ranks before the norm and the residual (once)."""
+        if self.parallel is None and post_norm is None:
             return linear.forward_residual(x, residual)
-        return residual + self.parallel.group.all_reduce(linear(x))
+        out = linear(x) if self.parallel is None else self.parallel.group.all_reduce(linear(x))
+        return residual + (out if post_norm is None else post_norm(out))
 
 
 class LlamaModel(nn.Module):
@@ -147,7 +188,13 @@ class LlamaModel(nn.Module):
         # The quantized matrices as loaded: an update of one part of a fused matrix (q of q|k|v)
         # re-packs it with the others' codes (verispec/models/weights.py).
         self.sources = {name: w for name, w in weights.items() if is_quantized(w)}
-        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        # One RoPE table per base: the model's, and Gemma 3's sliding layers' own.
+        tables = [rope_inv_freq(cfg)] + ([rope_inv_freq(cfg, local=True)] if cfg.rope_local_theta else [])
+        self.register_buffer("inv_freq", torch.stack([f for f, _ in tables]).to(device), persistent=False)
+        self.rope_factors = [factor for _, factor in tables]
+        # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype as it does.
+        fam = family(cfg.architecture)
+        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype)) if fam.embed_scale else None
         self.compiled = None  # set by verispec.models.compile
 
     @property
@@ -164,11 +211,16 @@ class LlamaModel(nn.Module):
         return make_linear(embed if tied else lm_head, self.dtype, self.embed.device, head=True)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D], broadcast over heads
+        """cos and sin tables, [tables, T, 1, rotary dims] (broadcast over heads)."""
+        freqs = positions.float()[None, :, None] * self.inv_freq[:, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         s = freqs.sin()
-        sin = torch.cat((-s, s), dim=-1)[:, None, :]  # rotate_half's sign
-        return emb.cos().to(self.dtype), sin.to(self.dtype)
+        sin = torch.cat((-s, s), dim=-1)[:, :, None, :]  # rotate_half's sign
+        cos = emb.cos()
+        if self.rope_factors != [1.0] * len(self.rope_factors):  # LongRoPE scales both
+            factors = torch.tensor(self.rope_factors, device=cos.device)[:, None, None, None]
+            cos, sin = cos * factors, sin * factors
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, num_layers: int | None = None):
         """Hidden states after the final norm, [T, hidden], for every token of the flat batch.
@@ -185,9 +237,12 @@ class LlamaModel(nn.Module):
     def stack(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               num_layers: int | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        tables = [(cos[i], sin[i]) for i in range(cos.shape[0])]
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
-            x = layer(x, cos, sin)
+            x = layer(x, *tables[layer.rope_table])
         return self.norm(x)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +261,10 @@ class LlamaModel(nn.Module):
         """[R, vocab] logits. Under tensor parallelism each rank computes its vocabulary columns
         and rank 0 gathers the whole row (see docs/scaling.md for why not a sharded softmax)."""
         logits = self.lm_head(hidden)
-        return logits if self.parallel is None else self.parallel.group.gather_columns(logits, self.parallel.vocab_widths)
+        if self.parallel is not None:
+            logits = self.parallel.group.gather_columns(logits, self.parallel.vocab_widths)
+        cap = self.cfg.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def new_kv_cache(self, num_blocks: int, block_size: int):
         """Cache tensors for this model (this rank's KV heads under tensor parallelism)."""

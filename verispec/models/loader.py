@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from verispec import envs
+from verispec.models.architectures import Family, family, gguf_parts, hf_parts, is_norm, of_gguf_arch
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks
 from verispec.models.gguf_index import file_key, read_index
@@ -30,42 +31,6 @@ logger = logging.getLogger("verispec")
 _DENSE_GGUF = ("F32", "F16", "BF16")
 # The matrices of a decoder layer; embeddings and the lm_head are quantized separately.
 _LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
-
-# HF per-layer names -> ours.
-_HF_LAYER = {
-    "input_layernorm.weight": "attn_norm",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-}
-_GGUF_LAYER = {
-    "attn_norm.weight": "attn_norm",
-    "ffn_norm.weight": "mlp_norm",
-    "attn_q.weight": "q",
-    "attn_k.weight": "k",
-    "attn_v.weight": "v",
-    "attn_output.weight": "o",
-    "attn_q.bias": "q_bias",
-    "attn_k.bias": "k_bias",
-    "attn_v.bias": "v_bias",
-    "attn_q_norm.weight": "q_norm",
-    "attn_k_norm.weight": "k_norm",
-    "ffn_gate.weight": "gate",
-    "ffn_up.weight": "up",
-    "ffn_down.weight": "down",
-}
-_GGUF_TOP = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-
 
 class ModelNotFoundError(ValueError):
     pass
@@ -152,26 +117,34 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         for name, tensor in load_file(str(file)).items():
-            ours = internal_name(name)
-            if ours is not None:
-                weights[ours] = tensor.to(dtype)
+            weights |= {ours: part.to(dtype) for ours, part in hf_tensors(name, tensor, cfg)}
     return cfg, weights
 
 
-def internal_name(name: str) -> str | None:
-    """verispec's name for an HF checkpoint tensor; None for one the model does not use."""
-    name = name.removeprefix("model.")
-    if name == "embed_tokens.weight":
-        return "embed"
-    if name == "norm.weight":
-        return "norm"
-    if name == "lm_head.weight":
-        return "lm_head"
-    if name.startswith("layers."):
-        _, idx, rest = name.split(".", 2)
-        if rest in _HF_LAYER:
-            return f"layers.{idx}.{_HF_LAYER[rest]}"
-    return None  # rotary caches and the like
+def hf_tensors(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """An HF checkpoint tensor under verispec's names: a fused one split into its parts (rows in
+    order), a norm stored as w where the family scales by 1 + w given as 1 + w (what GGUF files
+    hold), computed in fp32; [] for a tensor the model does not use. A fused tensor whose rows are
+    not its parts' is a ValueError naming it."""
+    fam = family(cfg.architecture)
+    names = hf_parts(name, fam)
+    if names is None:
+        return []
+    if len(names) > 1:
+        sizes = [cfg.part_rows(n.rsplit(".", 1)[-1]) for n in names]
+        if tensor.dim() != 2 or tensor.shape[0] != sum(sizes):
+            raise ValueError(f"weights[{name!r}] has shape {tuple(tensor.shape)}; the model's has {sum(sizes)} rows")
+        return list(zip(names, tensor.split(sizes)))
+    if fam.norm_plus_one and is_norm(names[0]):
+        tensor = tensor.float() + 1.0
+    return [(names[0], tensor)]
+
+
+def internal_name(name: str, cfg: ModelConfig | None = None) -> str | None:
+    """verispec's name for an HF checkpoint tensor that maps to one (a fused tensor: its first
+    part); None for one the model does not use. cfg: the model's family (default: Llama's names)."""
+    names = hf_parts(name, family(cfg.architecture if cfg is not None else "llama"))
+    return names[0] if names else None
 
 
 # -------------------------------------------------------------------------------------- GGUF
@@ -193,12 +166,13 @@ def _gguf_config(reader) -> ModelConfig:
         scaling = {"rope_type": a("rope.scaling.type"), "factor": a("rope.scaling.factor", 1.0)}
     names = {t.name for t in reader.tensors}
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    layers = int(a("block_count"))
     return ModelConfig(
-        architecture=arch,
+        architecture=of_gguf_arch(arch),
         vocab_size=int(vocab),
         hidden_size=int(hidden),
         intermediate_size=int(a("feed_forward_length")),
-        num_layers=int(a("block_count")),
+        num_layers=layers,
         num_heads=int(heads),
         num_kv_heads=int(a("attention.head_count_kv", heads)),
         head_dim=int(a("attention.key_length", hidden // heads)),
@@ -208,10 +182,44 @@ def _gguf_config(reader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
-        rope_scaling=scaling,
+        rope_scaling=_longrope_of(reader, a) or scaling,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(eos)] if eos is not None else [],
+        **_gguf_family_facts(of_gguf_arch(arch), a, layers, int(hidden) // int(heads)),
     )
+
+
+def _gguf_family_facts(arch: str, a, layers: int, hidden_per_head: int) -> dict:
+    """What Gemma and Phi-3 files say beyond Llama's keys, as llama.cpp reads them: soft-caps,
+    the sliding window and which layers slide (the family's pattern unless the file lists it),
+    Gemma 3's local RoPE base, Phi's rotated dims, Gemma's query scale (hidden / heads on the 27B
+    models, else the head size, as llama.cpp decides: the files do not carry it)."""
+    facts: dict = {"attn_softcap": a("attn_logit_softcapping"), "final_softcap": a("final_logit_softcapping")}
+    window = a("attention.sliding_window")
+    if window:
+        pattern = a("attention.sliding_window_pattern", family(arch).swa_pattern)
+        sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
+                   else [(i + 1) % pattern != 0 for i in range(layers)] if pattern else None)
+        facts |= {"sliding_window": int(window), "sliding_layers": sliding}
+    if arch == "gemma3":
+        facts["rope_local_theta"] = float(a("rope.freq_base_swa", 10000.0))
+    if arch in ("gemma2", "gemma3") and layers == {"gemma2": 46, "gemma3": 62}[arch]:
+        facts["query_scalar"] = float(hidden_per_head)
+    rotated, head = a("rope.dimension_count"), a("attention.key_length", hidden_per_head)
+    if rotated and rotated != head:
+        facts["partial_rotary_factor"] = rotated / head
+    return facts
+
+
+def _longrope_of(reader, a) -> dict | None:
+    """Phi-3's LongRoPE, which a GGUF file keeps as two tensors of per-frequency factors."""
+    tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if "rope_factors_long.weight" not in tensors:
+        return None
+    factors = {f"{kind}_factor": [float(x) for x in tensors[f"rope_factors_{kind}.weight"].data]
+               for kind in ("long", "short")}
+    return {"rope_type": "longrope", **factors, "attention_factor": a("rope.scaling.attn_factor"),
+            "original_max_position_embeddings": int(a("rope.scaling.original_context_length"))}
 
 
 def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
@@ -232,12 +240,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
 
     cfg, tensors = read_index(path, _gguf_config, cache_dir())
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    # llama.cpp permutes q/k only for the llama-style rotary layout; Qwen GGUFs keep HF's order.
-    permuted = cfg.architecture in ("llama", "mistral")
+    fam = family(cfg.architecture)
     weights: dict[str, torch.Tensor | QuantizedWeight | GGUFBlocks] = {}
     for t in tensors:
-        ours = _gguf_name(t.name)
-        if ours is None:
+        names = gguf_parts(t.name, fam)
+        if names is None:
             continue
         shape, kind = tuple(t.shape), t.kind
         if keep_blocks and kind in PACKED_KINDS and len(shape) == 2:
@@ -247,11 +254,27 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
             w = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
             if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % GROUP_SIZE == 0:
                 w = quantize_rtn(w, 8, source=kind)
-        if permuted and (ours.endswith(".q") or ours.endswith(".k")):
-            perm = _unpermute_rows(shape[0], cfg.num_heads if ours.endswith(".q") else cfg.num_kv_heads)
-            w = w[perm] if isinstance(w, torch.Tensor) else w.map_rows(lambda x, perm=perm: x[perm])
-        weights[ours] = w.to(dtype) if isinstance(w, torch.Tensor) else w
+        for ours, part in _gguf_split(names, w, cfg, fam):
+            weights[ours] = part.to(dtype) if isinstance(part, torch.Tensor) else part
     return cfg, weights
+
+
+def _gguf_split(names: tuple[str, ...], w, cfg: ModelConfig, fam: Family) -> list:
+    """A file's tensor as its parts (a fused qkv or gate|up split by rows), q and k rows back in
+    HF's rotary order where llama.cpp permuted them (Llama-style families only)."""
+    start, parts = 0, []
+    for ours in names:
+        rows = cfg.part_rows(ours.rsplit(".", 1)[-1]) if len(names) > 1 else w.shape[0]
+        index = torch.arange(start, start + rows)
+        if fam.permuted_qk and (ours.endswith(".q") or ours.endswith(".k")):
+            index = index[_unpermute_rows(rows, cfg.num_heads if ours.endswith(".q") else cfg.num_kv_heads)]
+        if len(names) > 1 or not torch.equal(index, torch.arange(w.shape[0])):
+            part = w[index] if isinstance(w, torch.Tensor) else w.map_rows(lambda x, index=index: x[index])
+        else:
+            part = w
+        parts.append((ours, part))
+        start += rows
+    return parts
 
 
 def weight_kinds(weights: dict) -> str:
@@ -263,16 +286,6 @@ def weight_kinds(weights: dict) -> str:
     if converted:
         text += ("; " if text else "") + ", ".join(converted) + " re-quantized to 8 bits"
     return text
-
-
-def _gguf_name(name: str) -> str | None:
-    if name in _GGUF_TOP:
-        return _GGUF_TOP[name]
-    if name.startswith("blk."):
-        _, idx, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER:
-            return f"layers.{idx}.{_GGUF_LAYER[rest]}"
-    return None
 
 
 # --------------------------------------------------------------------------------- tokenizer

@@ -27,11 +27,12 @@ from torch import nn
 from verispec.models.config import ModelConfig
 from verispec.models.linear import DenseLinear, Linear
 from verispec.models.llama import DecoderLayer, LlamaModel
-from verispec.models.loader import internal_name
+from verispec.models.architectures import family
+from verispec.models.loader import hf_tensors
 from verispec.models.gguf_blocks import GGUFBlocks, dequantize, is_quantized, requantize
 from verispec.models.quant import QuantizedWeight
 
-_LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
+_LAYER_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -48,6 +49,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
         if cfg.qk_norm:
             layer |= {"q_norm": (d,), "k_norm": (d,)}
+        if family(cfg.architecture).sandwich_norms:
+            layer |= {"post_attn_norm": (h,), "post_mlp_norm": (h,)}
         shapes |= {f"layers.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
 
@@ -72,23 +75,24 @@ def check_update(named: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig) ->
     for hf, tensor in named:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"weights[{hf!r}] is a {type(tensor).__name__}, not a tensor")
-        ours = internal_name(hf)
-        if ours == "lm_head" and cfg.tie_word_embeddings:
+        parts = hf_tensors(hf, tensor.detach(), cfg)  # a fused tensor's parts; Gemma's norms as 1 + w
+        if [ours for ours, _ in parts] == ["lm_head"] and cfg.tie_word_embeddings:
             tied_head = (hf, tensor)  # a tied model's state dict lists the embedding twice
             continue
-        if ours is None or ours not in shapes:
+        if not parts or any(ours not in shapes for ours, _ in parts):
             raise ValueError(f"weights[{hf!r}]: the model has no tensor of that name")
-        if ours in out:
-            raise ValueError(f"weights[{hf!r}] is given twice")
-        if tuple(tensor.shape) != shapes[ours]:
-            raise ValueError(f"weights[{hf!r}] has shape {tuple(tensor.shape)}; the model's is {shapes[ours]}")
+        for ours, part in parts:
+            if ours in out:
+                raise ValueError(f"weights[{hf!r}] is given twice")
+            if tuple(part.shape) != shapes[ours]:
+                raise ValueError(f"weights[{hf!r}] has shape {tuple(tensor.shape)}; the model's is {shapes[ours]}")
         if not tensor.is_floating_point():
             raise ValueError(f"weights[{hf!r}] has dtype {tensor.dtype}; expected a floating-point tensor")
         # One pass, no allocation: the sum is NaN or infinite if a value is (or if they are absurdly large).
         if not torch.isfinite(tensor.sum(dtype=torch.float32)):
             raise ValueError(f"weights[{hf!r}] holds NaN or infinite values")
-        out[ours] = tensor.detach()
-    if tied_head is not None and not ("embed" in out and torch.equal(tied_head[1], out["embed"])):
+        out |= dict(parts)
+    if tied_head is not None and not ("embed" in out and torch.equal(tied_head[1].detach(), out["embed"])):
         raise ValueError(f"weights[{tied_head[0]!r}]: the model ties its head to the embedding; "
                          "update the embedding (embed_tokens) instead")
     return out

@@ -12,6 +12,10 @@
 // sequences share the step. A verify row therefore computes bit for bit as the same row decoded
 // alone or inside a prefill chunk of any length, in every dtype: speculative output equals plain
 // output whatever the scheduler's chunking.
+//
+// A sliding-window layer's row also masks the keys further back than its window (parts wholly
+// behind it are skipped), and a soft-capped model's scores pass through cap * tanh(score / cap)
+// before the softmax (Gemma 2): both depend on the row's own position only.
 #include "attention_tiles.h"
 
 #include <ATen/ATen.h>
@@ -67,6 +71,27 @@ struct Step {
   int64_t table_width, heads, head, kv_heads, per_kv, block_size, padded, part;
   int64_t q_row, q_head, out_row, out_head;  // strides
   float scale;
+  int64_t window;  // a sliding layer's: row i also sees no key before position pos_i + 1 - window (0: none)
+  float softcap;   // scores -> softcap * tanh(scores / softcap) (0: none)
+
+  // The first key of [k0, k0 + part) that row i (position pos) sees, as an offset into the part.
+  int64_t first_seen(int64_t pos, int64_t k0) const {
+    return window > 0 ? std::clamp<int64_t>(pos + 1 - window - k0, 0, part) : 0;
+  }
+
+  // Row r's scores [0, n) of the part with the keys before `lo` masked and the rest soft-capped; its
+  // softmax weights in place (its max in mx, its sum returned). Seeing no key: weights 0, max -inf.
+  float weights(float* sc, int64_t lo, int64_t n, float& mx) const {
+    if (lo >= n) {
+      std::fill(sc, sc + n, 0.f);
+      mx = -std::numeric_limits<float>::infinity();
+      return 0.f;
+    }
+    if (softcap > 0.f)
+      for (int64_t j = lo; j < n; ++j) sc[j] = softcap * std::tanh(sc[j] / softcap);
+    std::fill(sc, sc + lo, -std::numeric_limits<float>::infinity());
+    return softmax_weights(sc, n, mx);
+  }
 
   // Query vectors r = i * per_kv + p: row i (of rows [i0, i1) of the sequence), head p of this
   // kv head, against keys [k0, k0 + part) (k0 a multiple of the block size). Row i sees keys
@@ -82,6 +107,14 @@ struct Step {
     buf.sum.resize(r_count);
     for (int64_t r = 0; r < r_count; ++r)
       buf.visible[r] = std::clamp<int64_t>(ctx - nq + i0 + r / per_kv + 1 - k0, 0, part);
+    // A part wholly behind every row's window adds nothing: its entries are (-inf, 0, zeros)
+    // whether computed or not, so it is skipped.
+    if (window > 0 && first_seen(ctx - nq + i1 - 1, k0) >= part) {
+      std::fill(buf.mx.begin(), buf.mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(buf.sum.begin(), buf.sum.end(), 0.f);
+      buf.acc.assign(r_count * padded, 0.f);
+      return;
+    }
     const int64_t stride = std::max<int64_t>(1, (buf.visible[r_count - 1] + block_size - 1) / block_size) * block_size;
     buf.q.assign(r_count * padded, 0.f);
     for (int64_t r = 0; r < r_count; ++r) {
@@ -110,7 +143,8 @@ struct Step {
       if (buf.visible[r] == 0) {
         buf.mx[r] = -std::numeric_limits<float>::infinity(), buf.sum[r] = 0.f;
       } else {
-        buf.sum[r] = softmax_weights(buf.scores.data() + r * stride, buf.visible[r], buf.mx[r]);
+        const int64_t lo = first_seen(ctx - nq + i0 + r / per_kv, k0);
+        buf.sum[r] = weights(buf.scores.data() + r * stride, lo, buf.visible[r], buf.mx[r]);
       }
     }
     // The weighted values, kRows rows at a time (sharing the value loads).
@@ -195,13 +229,14 @@ struct Step {
 // tiles differently and six rows over 700 keys took 25 % longer on one thread (measured).
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& seqs,
-                const at::Tensor& tables, double scale, at::Tensor& out) {
+                const at::Tensor& tables, double scale, int64_t window, double softcap, at::Tensor& out) {
   const int64_t heads = q.size(1), head = q.size(2), kv_heads = v_cache.size(2), block_size = v_cache.size(1);
   const int64_t part = std::max<int64_t>(1, kPartKeys / block_size) * block_size;
   const Step<T> step{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
                      seqs.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), tables.size(1), heads, head, kv_heads,
                      heads / kv_heads, block_size, (head + Vec::size() - 1) / Vec::size() * Vec::size(), part,
-                     q.stride(0), q.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
+                     q.stride(0), q.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale),
+                     window, static_cast<float>(softcap)};
   // Tiles: (sequence, kv head, first of kTile query rows), listed up front.
   std::vector<std::array<int64_t, 3>> tiles;
   int64_t work = 0, most_parts = 1;
@@ -260,7 +295,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
 // k, v: this step's [T, KV, D] rows, written to `slots`; then the rows named by `seqs` attend.
 void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& seqs,
-                  const at::Tensor& tables, double scale, at::Tensor out) {
+                  const at::Tensor& tables, double scale, int64_t window, double softcap, at::Tensor out) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_attention: window and softcap must be >= 0");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   TORCH_CHECK(k_cache.size(1) == v_cache.size(2) && k_cache.size(2) == v_cache.size(3) &&
                   k_cache.size(3) == v_cache.size(1),
@@ -291,7 +327,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   auto run = [&](auto zero) {
     using T = decltype(zero);
     write_cache<T>(k, v, k_cache, v_cache, slots.data_ptr<int64_t>());
-    if (seqs.size(0) > 0) attend_all<T>(q, k_cache, v_cache, seqs, tables, scale, out);
+    if (seqs.size(0) > 0) attend_all<T>(q, k_cache, v_cache, seqs, tables, scale, window, softcap, out);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(0.f); break;
@@ -305,6 +341,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(verispec_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-        "Tensor seqs, Tensor tables, float scale, Tensor(c!) out) -> ()");
+        "Tensor seqs, Tensor tables, float scale, int window, float softcap, Tensor(c!) out) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }
