@@ -45,6 +45,7 @@ class LoadModel:
     path: str
     dtype: torch.dtype
     quantization: str | None
+    rope_context: int | None = None  # the engine's context (ModelConfig.rope_context)
 
 
 @dataclass(slots=True)
@@ -243,7 +244,7 @@ class TensorParallel:
     def load_model(self, cfg: ModelConfig, weights: dict, path: str, dtype, quantization) -> "ShardedModel":
         model_id = self._num_models
         self._num_models += 1
-        self.send(LoadModel(model_id, str(path), dtype, quantization))
+        self.send(LoadModel(model_id, str(path), dtype, quantization, cfg.rope_context))
         local = load_shard(self.group, cfg, weights, dtype, self.device)
         failed = self.group.all_reduce(torch.zeros(1, device=self.device))  # each worker adds 1 on failure
         if failed.item():

@@ -102,6 +102,7 @@ class _Worker:
             key = (op.path, op.dtype, op.quantization)
             early, self.early = self.early, None
             cfg, weights = early[1] if early is not None and early[0] == key else load_checkpoint(*key)
+            cfg.rope_context = op.rope_context
             self.models[op.model_id] = load_shard(self.group, cfg, weights, op.dtype, self.device)
             self.configs[op.model_id] = cfg
             del weights
