@@ -162,6 +162,9 @@ def test_gguf_files_match_hf_on_the_same_values(tmp_path, arch, qtype, monkeypat
     with torch.no_grad():
         ref = hf_with_file_weights(path, file)(torch.tensor([ids])).logits[0].float()
     assert_close_to_oracle(ours, ref)
+    if qtype != "F32":  # the fast tier packs the same blocks (a fused qkv split and stacked again)
+        fast = run_ours(file, ids, [40], dtype=torch.bfloat16, block=16, quantization="gguf")
+        assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "phi3"])
@@ -191,3 +194,24 @@ def test_every_family_names_its_tensors_once():
     assert hf_parts("model.layers.0.post_attention_layernorm.weight", family("llama")) == ("layers.0.mlp_norm",)
     with pytest.raises(ValueError, match="'gpt2' is not supported; supported: llama, .*gemma2, gemma3, phi3"):
         family("gpt2")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi4mini"])
+def test_the_compiled_stack_matches_hf(families, arch, monkeypatch):
+    """The layer stack as one graph: Gemma 3's two RoPE tables chosen per layer and its windowed
+    layers, Phi-4-mini's partial rotary, through Inductor (chunks eager, decode rows compiled)."""
+    path = families[arch]
+    ids = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(10)).tolist()
+    short_context(monkeypatch, path)
+    ours = run_ours(path, ids, [17, 19, 1, 1, 1, 1], compiled=True)
+    assert_close_to_oracle(ours, hf_logits(path, ids))
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_the_bf16_tier_keeps_hfs_top_token(families, arch, monkeypatch):
+    """bfloat16 (the fast tier's activations): the argmax mostly survives, as for Llama."""
+    path = families[arch]
+    ids = list(range(5, 45))
+    short_context(monkeypatch, path)
+    ours = run_ours(path, ids, [40], dtype=torch.bfloat16, block=16)
+    assert (ours.argmax(-1) == hf_logits(path, ids).argmax(-1)).float().mean() > 0.9

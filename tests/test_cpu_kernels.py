@@ -40,9 +40,10 @@ def keys_of(cache):
     return cache.k.permute(0, 3, 1, 2)
 
 
-def reference(q, cache, spans, scale):
-    """Causal attention in float64 over each span's cached keys (the step's own included); also
-    the largest scale * sum_d |q_d k_d| over every (row, key) pair, for the rounding bound."""
+def reference(q, cache, spans, scale, window=0, softcap=0.0):
+    """Causal attention in float64 over each span's cached keys (the step's own included; with a
+    window, only the last `window` of them; with a soft-cap, scores capped); also the largest
+    scale * sum_d |q_d k_d| over every (row, key) pair, for the rounding bound."""
     out, qk_abs = torch.zeros(q.shape, dtype=torch.float64), 0.0
     kv_heads, head_dim = cache.v.shape[2], cache.v.shape[3]
     per_kv = q.shape[1] // kv_heads
@@ -55,7 +56,10 @@ def reference(q, cache, spans, scale):
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         qk_abs = max(qk_abs, float(torch.einsum("qhd,khd->hqk", qs.abs(), k.abs()).amax()) * scale)
         pos = torch.arange(s.num_query)[:, None] + s.context_len - s.num_query
-        scores = scores.masked_fill(torch.arange(s.context_len)[None] > pos, float("-inf"))
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        keys = torch.arange(s.context_len)[None]
+        scores = scores.masked_fill((keys > pos) | ((keys <= pos - window) if window else False), float("-inf"))
         out[s.start : s.start + s.num_query] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out, qk_abs
 
@@ -77,9 +81,9 @@ def random_step(kv_heads, per_kv, head_dim, dtype, shapes, seed=0):
     return spans, q, k, v
 
 
-def run(q, k, v, cache, spans, dtype):
+def run(q, k, v, cache, spans, dtype, window=0, softcap=0.0):
     meta = build_attention_metadata(spans, BLOCK, torch.device("cpu"), dtype)
-    return paged_attention(q, k, v, cache, meta, q.shape[-1] ** -0.5)
+    return paged_attention(q, k, v, cache, meta, q.shape[-1] ** -0.5, window, softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -120,6 +124,24 @@ def test_long_contexts_attend_in_parts_within_the_fp32_bound(dtype):
     assert ((out.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (100, 0.0), (300, 2.0), (0, 2.0)])
+def test_sliding_windows_and_soft_caps_within_the_fp32_bound(dtype, window, softcap):
+    """Gemma's and Mistral's sliding layers and Gemma 2's soft-capped scores: rows whose window
+    ends inside a part of keys, parts wholly behind every row's window (skipped), a window of one
+    key (a row sees itself alone), a window wider than a part. (Capped scores are smaller: the
+    bound above still holds.)"""
+    kv_heads, per_kv, head_dim = 2, 2, 64
+    shapes = [(1, 700), (6, 613), (40, 530), (23, 90), (1, 1)]
+    spans, q, k, v = random_step(kv_heads, per_kv, head_dim, dtype, shapes, seed=4)
+    cache = make_cache(sum(-(-c // BLOCK) for _, c in shapes) + 4, kv_heads, head_dim, dtype)
+    out = run(q, k, v, cache, spans, dtype, window, softcap)
+    ref, qk_abs = reference(q, cache, spans, head_dim**-0.5, window, softcap)
+    eps32, vmax = 2.0**-24, float(cache.v.abs().max())
+    bound = 8 * vmax * eps32 * (head_dim * qk_abs + max(c for _, c in shapes)) + EPS[dtype] * ref.abs()
+    assert ((out.double() - ref).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_long_context_row_computes_alike_alone_or_beside_a_long_chunk(threads):
     """A few rows over 700 keys alone (few tiles: each part of the keys its own work item, the
@@ -147,17 +169,19 @@ def test_a_long_context_row_computes_alike_alone_or_beside_a_long_chunk(threads)
     cuts=st.lists(st.integers(1, 40), min_size=1, max_size=6),
     others=st.lists(st.tuples(st.integers(1, 9), st.integers(0, 60)), max_size=3),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    layer=st.sampled_from([(0, 0.0), (7, 0.0), (33, 0.0), (0, 3.0), (20, 3.0)]),
 )
-def test_a_row_computes_alike_however_the_step_is_cut(ctx, cuts, others, dtype):
+def test_a_row_computes_alike_however_the_step_is_cut(ctx, cuts, others, dtype, layer):
     """The sequence's last rows, fed as one chunk or in the pieces `cuts` gives (each step's rows
-    batched with unrelated sequences), produce bit-identical outputs."""
+    batched with unrelated sequences), produce bit-identical outputs, in sliding-window and
+    soft-capped layers too (`layer`: window, soft-cap)."""
     kv_heads, per_kv, head_dim = 3, 3, 64
     n = min(sum(cuts), ctx)
     spans, q, k, v = random_step(kv_heads, per_kv, head_dim, dtype, [(n, ctx)], seed=ctx)
     table = spans[0].block_table  # drawn from blocks [0, len(table) + 4)
     first_free, num_blocks = len(table) + 4, len(table) + 44
     cache = make_cache(num_blocks, kv_heads, head_dim, dtype, seed=1)
-    whole = run(q, k, v, cache, spans, dtype)
+    whole = run(q, k, v, cache, spans, dtype, *layer)
     pieces, done = [], ctx - n
     for cut in cuts:
         cut = min(cut, ctx - done)
@@ -179,7 +203,7 @@ def test_a_row_computes_alike_however_the_step_is_cut(ctx, cuts, others, dtype):
             start, free = start + nq, free + nb
         step_spans.append(SeqSpan(start, cut, done + cut, table))
         qs.append(q[rows]), ks.append(k[rows]), vs.append(v[rows])
-        out = run(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, step_spans, dtype)
+        out = run(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, step_spans, dtype, *layer)
         pieces.append(out[start:])
         done += cut
     assert torch.equal(torch.cat(pieces), whole[: done - (ctx - n)])

@@ -43,10 +43,13 @@ def tiny_models(tmp_path_factory, tiny_checkpoints) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp")
     return {**tiny_checkpoints,
             "llama_mqa": make_tiny_checkpoint(root / "mqa", "llama", num_key_value_heads=1),  # KV head replicated
-            "llama_draft": make_tiny_checkpoint(root / "draft", "llama", seed=7, num_hidden_layers=1)}
+            "llama_draft": make_tiny_checkpoint(root / "draft", "llama", seed=7, num_hidden_layers=1),
+            # sandwich norms reduced before they norm, soft-caps after the vocabulary gather, split fused tensors
+            "gemma2": make_tiny_checkpoint(root / "gemma2", "gemma2", tie_word_embeddings=True),
+            "phi3": make_tiny_checkpoint(root / "phi3", "phi3")}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama_mqa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama_mqa", "gemma2", "phi3"])
 def test_logits_match_one_rank_within_the_fp32_bound(tiny_models, arch):
     """Every prompt position's whole logit row (raw logits, prompt_logprobs=-1), then greedy tokens."""
     prompts = random_prompts(3, 6, 40, seed=80)

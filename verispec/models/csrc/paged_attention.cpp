@@ -109,7 +109,7 @@ struct Step {
       buf.visible[r] = std::clamp<int64_t>(ctx - nq + i0 + r / per_kv + 1 - k0, 0, part);
     // A part wholly behind every row's window adds nothing: its entries are (-inf, 0, zeros)
     // whether computed or not, so it is skipped.
-    if (window > 0 && first_seen(ctx - nq + i1 - 1, k0) >= part) {
+    if (window > 0 && first_seen(ctx - nq + i0, k0) >= part) {  // the tile's first row sees the least
       std::fill(buf.mx.begin(), buf.mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(buf.sum.begin(), buf.sum.end(), 0.f);
       buf.acc.assign(r_count * padded, 0.f);
