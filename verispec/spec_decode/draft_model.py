@@ -25,7 +25,7 @@ class DraftModelDrafter(ModelDrafter):
         if quantization == "gguf" and not resolve_model_path(cfg.model).is_file():
             quantization = None
         model_cfg, weights = load_checkpoint(cfg.model, engine_config.dtype, quantization)
-        model_cfg.rope_context = target.cfg.rope_context
+        model_cfg.rope_context = engine_config.max_model_len  # as the target's (LongRoPE)
         if model_cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError(
                 f"speculative_config.model has a vocabulary of {model_cfg.vocab_size} tokens but the "
