@@ -28,6 +28,7 @@ from torch import nn
 from verispec import envs
 from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks, Stacked
+from verispec.models.linear_base import LinearBase
 from verispec.models.quant import QuantizedWeight
 
 # Measured on a 2-core AVX-512 CPU (576 x 1536, bf16): the int4 kernel costs ~11 us per row of x
@@ -36,15 +37,15 @@ KERNEL_MAX_ROWS = 64
 _CPU_BLOCK_N = 64  # torch's CPU packing takes N in multiples of 64
 
 
-class Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+class Linear(LinearBase):
+    holds_dense = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight_t
-        return y if self.bias is None else y + self.bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(bias)
+        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight_t
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W_t in one fused op (no bias: o and down projections have none)."""
@@ -135,7 +136,7 @@ def _pack(codes: torch.Tensor, cuda_kernel: bool) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(LinearBase):
     """A quantized matrix on the int4 kernels: one plane for 4 bits, two for 8 bits.
 
     `dense` is an existing [N, K] copy of the same values (the tied embedding table) used past
@@ -144,7 +145,7 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device,
                  bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
                  kernel_max_rows: int = KERNEL_MAX_ROWS):
-        super().__init__()
+        super().__init__(None if bias is None else bias.to(device=device, dtype=dtype))
         g = weight.group_size
         if weight.bits == 4:
             specs = [(weight.codes, weight.scale, weight.offset + 8 * weight.scale)]
@@ -157,7 +158,6 @@ class QuantLinear(nn.Module):
             specs = [(hi + 8, 16 * weight.scale, 8 * weight.scale), (lo, weight.scale, torch.zeros_like(weight.scale))]
         self.planes = nn.ModuleList(Int4Plane(c.to(torch.uint8), s, z, g, dtype, device) for c, s, z in specs)
         self._plane_list = tuple(self.planes)
-        self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
         self.dense = dense
         self.kernel_max_rows = kernel_max_rows
 
@@ -172,15 +172,8 @@ class QuantLinear(nn.Module):
         w = planes[0].dense(dtype) if len(planes) == 1 else planes[0].dense(dtype) + planes[1].dense(dtype)
         return F.linear(x.to(dtype), w).to(x.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
-        return y if self.bias is None else y + self.bias
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self._matmul(x)
-
-
-class DecodedLinear(nn.Module):
+class DecodedLinear(LinearBase):
     """A quantized matrix on verispec's CPU kernel (`csrc/quant_linear.cpp`): each weight decoded
     exactly to fp32 (scale * code, plus the offset for 4 bits), fp32 sums, fp32 output, and the
     same arithmetic whatever the number of rows, so there is no dense path past some batch size.
@@ -188,7 +181,7 @@ class DecodedLinear(nn.Module):
     (`dtype="float32", quantization="gguf"`)."""
 
     def __init__(self, weight: QuantizedWeight, device: torch.device):
-        super().__init__()
+        super().__init__(None)
         self.n = weight.shape[0]
         codes = weight.codes.to(torch.int8 if weight.bits == 8 else torch.uint8)
         per_group = [weight.scale.float()] + ([] if weight.offset is None else [weight.offset.float()])
@@ -199,32 +192,30 @@ class DecodedLinear(nn.Module):
         self.register_buffer("offsets", _blocked(per_group[1]).to(device) if len(per_group) > 1 else None,
                              persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.offsets is None:
             return torch.ops.verispec_cpu.int8_linear.default(x, self.codes, self.scales, self.n)
         return torch.ops.verispec_cpu.int4_linear.default(x, self.codes, self.scales, self.offsets, self.n)
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self(x)
 
-
-class DenseLinear(nn.Module):
+class DenseLinear(LinearBase):
     """A dense matrix (fp32: the exact tier; bf16 / fp16: a dense half-precision model) on
     verispec's kernel (`csrc/quant_linear.cpp`): fp32 sums in one order whatever the row count, so a
     row's bits never depend on its neighbours (BLAS's do); a half-precision output rounds once."""
 
+    holds_dense = True
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
+        super().__init__(None if bias is None else bias.to(weight.dtype))
         self.n, self.k = weight.shape
         self.register_buffer("blocked", _blocked(weight), persistent=False)  # [N/16, K, 16], the weight's dtype
-        self.bias = None if bias is None else nn.Parameter(bias.to(weight.dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # casts are no-ops in fp32
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # the bias added in fp32, one rounding; casts no-ops in fp32
         y = torch.ops.verispec_cpu.dense_linear.default(x.float(), self.blocked, self.n)
         return (y if self.bias is None else y + self.bias.float()).to(x.dtype)
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self(x)
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.verispec_cpu.dense_linear.default(x.float(), self.blocked, self.n).to(x.dtype)
 
     def matrix(self) -> torch.Tensor:  # the [N, K] weights (a copy)
         return self.blocked.transpose(1, 2).reshape(-1, self.k)[: self.n]
@@ -249,7 +240,7 @@ def _blocked(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(LinearBase):
     """A GGUF-format matrix on verispec's packed kernel (`csrc/packed_linear.cpp`): Q4_0, Q4_1,
     Q8_0, Q5_0, Q5_1 (groups of 32, fp16 scales) and the K-quants Q4_K, Q5_K, Q6_K (super-blocks
     of 256, their 6- or 8-bit sub-block scales decoded in the kernel), the file's blocks put into
@@ -265,7 +256,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: "QuantizedWeight | GGUFBlocks", device: torch.device,
                  bias: torch.Tensor | None = None, float_output: bool = False):
-        super().__init__()
+        super().__init__(None if bias is None else bias.to(device))
         self.n = weight.shape[0]
         if isinstance(weight, GGUFBlocks):
             codes, scales, offsets, self.format = weight.packed()
@@ -278,7 +269,6 @@ class PackedLinear(nn.Module):
         self.register_buffer("codes", codes.to(device), persistent=False)
         self.register_buffer("scales", scales.to(device), persistent=False)
         self.register_buffer("offsets", None if offsets is None else offsets.to(device), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
         self.float_output = float_output
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,38 +276,23 @@ class PackedLinear(nn.Module):
             x = x.float()
         return torch.ops.verispec_cpu.packed_linear(x, self.codes, self.scales, self.offsets, self.format, self.n)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
-        return y if self.bias is None else y + self.bias
-
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self._matmul(x)
-
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the matrix, each weight its exact value rounded once to `dtype`: a tied
         embedding's lookup, with no dense table beside the packed one."""
         return torch.ops.verispec_cpu.packed_rows(ids, self.codes, self.scales, self.offsets, self.format, self.n, dtype)
 
 
-class StackedLinear(nn.Module):
+class StackedLinear(LinearBase):
     """Matrices of different formats stacked along N (`gguf_blocks.Stacked`), each on its own
     kernel, their outputs side by side: what one matrix would give, row by row."""
 
     def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None):
-        super().__init__()
+        super().__init__(bias)
         self.parts = nn.ModuleList(parts)
         self._part_list = tuple(parts)  # a tuple: iterating the ModuleList costs more per call
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self._part_list], dim=-1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
-        return y if self.bias is None else y + self.bias
-
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self._matmul(x)
 
 
 # The packed kernel's `format` argument.
@@ -351,7 +326,7 @@ def packed_wanted(weight: "QuantizedWeight | GGUFBlocks", dtype: torch.dtype, de
 
 
 def make_linear(weight, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None,
-                head: bool = False, **quant_options) -> nn.Module:
+                head: bool = False, **quant_options) -> LinearBase:
     """A dense `Linear` for a tensor. For a `QuantizedWeight` on a CPU with verispec's kernels:
     `PackedLinear` in the fast tier, `DecodedLinear` for every matrix of an fp32 model (the exact
     tier on the codes). Elsewhere a `QuantLinear` on torch's int4 kernels where K suits them

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from verispec.models.config import ModelConfig
-from verispec.models.linear import DenseLinear, Linear
 from verispec.models.llama import DecoderLayer, LlamaModel
 from verispec.models.architectures import family
 from verispec.models.loader import hf_tensors
@@ -150,7 +149,7 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
         embed = new.get("embed", model.sources.get("embed", model.embed))
         lm_head = new.get("lm_head", model.sources.get("lm_head", _dense_head(model)))
         head = lm_head if lm_head is not None and not model.cfg.tie_word_embeddings else embed
-        if isinstance(model.lm_head, (Linear, DenseLinear)) and not is_quantized(head):
+        if model.lm_head.holds_dense and not is_quantized(head):
             pairs.append(("lm_head", *model.lm_head.part(0, head.shape[0], head.to(model.dtype))))
         else:
             pairs += _tensor_pairs("lm_head", model.lm_head, model.make_head(embed, lm_head))
@@ -163,7 +162,7 @@ def build_update(model: LlamaModel, new: dict[str, "torch.Tensor | QuantizedWeig
 
 def _dense_head(model: LlamaModel) -> torch.Tensor | None:
     """An untied dense head's current matrix (None when tied: make_head then uses the embedding)."""
-    if model.cfg.tie_word_embeddings or not isinstance(model.lm_head, (Linear, DenseLinear)):
+    if model.cfg.tie_word_embeddings or not model.lm_head.holds_dense:
         return None
     return model.lm_head.matrix()
 
@@ -179,7 +178,7 @@ def _dense_layer_pairs(layer: DecoderLayer, p: str, new: dict) -> list[tuple[str
     """(name, slice of the layer's tensor, new values) for a layer of dense matrices (`part`: a
     column slice of a transposed weight, or whole blocks of a blocked one), a bias a slice of the
     fused bias; None where a matrix is quantized or a part is not a slice (the layer is rebuilt)."""
-    if not all(isinstance(m, (Linear, DenseLinear)) for m, _, _ in _units(layer)):
+    if not all(m.holds_dense for m, _, _ in _units(layer)):
         return None
     pairs = [(p + n, getattr(layer, n).weight, new[p + n]) for n in _LAYER_NORMS if p + n in new]
     for module, names, sizes in _units(layer):
