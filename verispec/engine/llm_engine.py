@@ -79,8 +79,7 @@ class LLMEngine:
         try:
             with self.startup.phase("checkpoint"):
                 model_cfg, weights = load_checkpoint(model_path, config.dtype, config.quantization)
-                # LongRoPE picks its factors by the longest sequence the engine will run.
-                model_cfg.rope_context = config.max_model_len or model_cfg.max_position_embeddings
+                model_cfg.rope_context = config.max_model_len or model_cfg.max_position_embeddings  # LongRoPE's pick
                 self.model_config, self.weight_kinds = model_cfg, weight_kinds(weights)
             if kernels is not None:
                 with self.startup.phase("kernels"):  # what the build needs past the checkpoint read

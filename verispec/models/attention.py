@@ -60,15 +60,14 @@ class AttnGroup:
     head_major: bool = False
     head_major_masks: dict = field(default_factory=dict)  # number of kv heads -> mask
     covers_batch: bool = False  # its real rows are the whole flat batch, in order: no scatter
-    # For sliding-window layers: each query row's position [G, Q] and the keys' [K]; the group as
-    # a sliding layer sees it is built by the first such layer and kept by window.
+    # Sliding-window layers: each query row's position [G, Q], the keys' [K]; the group as such a
+    # layer sees it, built by the first one and kept by window.
     q_pos: torch.Tensor | None = None
     key_pos: torch.Tensor | None = None
     windowed: dict = field(default_factory=dict)
 
     def masked(self, window: int, dtype: torch.dtype) -> "AttnGroup":
-        """This group as a sliding layer of `window` sees it: keys further back than the window
-        masked too (a fresh prefill's causal shortcut becomes an explicit mask)."""
+        """As a layer sliding over `window` keys sees it (a fresh prefill's causal shortcut: a mask)."""
         if not window:
             return self
         grp = self.windowed.get(window)
@@ -197,18 +196,15 @@ def _padded_tables(spans: list[SeqSpan], block_size: int) -> tuple[list[int], in
 def _prefill_group(span: SeqSpan, block_size: int, device: torch.device, dtype: torch.dtype) -> AttnGroup:
     fresh = span.context_len == span.num_query  # no earlier chunk: attend to this chunk's k/v
     kv_blocks = mask = kv_run = None
-    offset = span.context_len - span.num_query
-    rows_pos = torch.arange(span.num_query, device=device)[None, :] + offset  # [1, Q]
-    key_pos = rows_pos[0] if fresh else torch.arange(_num_blocks(span.context_len, block_size) * block_size,
-                                                      device=device)
+    rows_pos = torch.arange(span.num_query, device=device)[None, :] + span.context_len - span.num_query  # [1, Q]
+    key_pos = rows_pos[0]
     if not fresh:
         nb = _num_blocks(span.context_len, block_size)
         kv_blocks = to_device(span.block_table[:nb], dtype=torch.long, device=device)
         kv_run = _run(span.block_table[:nb])
-        offset = span.context_len - span.num_query
-        q_pos = torch.arange(span.num_query, device=device)[:, None] + offset
-        keys = torch.arange(nb * block_size, device=device)[None, :]
-        mask = _additive(((keys <= q_pos) & (keys < span.context_len))[None, None], dtype)
+        key_pos = torch.arange(nb * block_size, device=device)
+        allowed = (key_pos[None, :] <= rows_pos[0][:, None]) & (key_pos[None, :] < span.context_len)
+        mask = _additive(allowed[None, None], dtype)
     return AttnGroup(
         query_index=None, row_start=span.start, num_seqs=1, max_query=span.num_query,
         kv_blocks=kv_blocks, kv_run=kv_run, mask=mask, causal=fresh, out_valid=None, out_rows=None,
@@ -257,11 +253,10 @@ def paged_attention(
     cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
+    window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Writes this step's k/v into the cache, then attends; returns [T, H, D]. window: a sliding
-    layer's (keys further back are not seen; 0: all); softcap: scores -> cap * tanh(scores / cap)."""
+    layer's (0: none); softcap: scores -> cap * tanh(scores / cap) (0: none)."""
     if cache.keys_transposed:
         return _kernel_attention(q, k, v, cache, meta, scale, window, softcap)
     k_cache, v_cache = cache.k, cache.v
@@ -293,19 +288,17 @@ def _sdpa(q, k, v, mask, causal: bool, scale: float, softcap: float, gqa: bool) 
     if not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     if gqa:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
-    if causal:
-        n, m = scores.shape[-2], scores.shape[-1]
+    if causal:  # the last query row sees every key
+        n, m = scores.shape[-2:]
         mask = _additive(torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n), scores.dtype)
     if mask is not None:
         scores = scores + mask
-    return (scores.float().softmax(-1).to(q.dtype)) @ v
+    return scores.float().softmax(-1).to(q.dtype) @ v
 
 
-def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale: float, window: int,
-                      softcap: float) -> torch.Tensor:
+def _kernel_attention(q, k, v, cache: LayerCache, meta: AttentionMetadata, scale, window, softcap) -> torch.Tensor:
     """The CPU kernel writes every row's k/v into the cache, then attends every row."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     seqs = meta.kernel
@@ -397,8 +390,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     return paged_attention(q, k, v, caches[layer], meta, scale, window, softcap).contiguous()
 
 
-def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
-                     softcap: float) -> torch.Tensor:
+def _attention_shape(q, k, v, layer: int, scale: float, window: int, softcap: float) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
