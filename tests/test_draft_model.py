@@ -17,7 +17,7 @@ from verispec.config import SpeculativeConfig
 from verispec.models.loader import load_tokenizer
 from verispec.spec_decode.draft_model import DraftModelDrafter
 
-ENGINE = SimpleNamespace(quantization=None, dtype=torch.float32, device=torch.device("cpu"))
+ENGINE = SimpleNamespace(quantization=None, dtype=torch.float32, device=torch.device("cpu"), max_model_len=None)
 
 
 def drafter_for(draft_path: str, target_path: str, vocab_size: int = 512) -> DraftModelDrafter:
