@@ -28,7 +28,7 @@ def test_every_layer_make_linear_builds_is_a_linear_base(kind, dtype):
     layer = make_linear(w, dtype, CPU, None)
     assert isinstance(layer, LinearBase)
     x, residual = torch.randn(3, 256).to(dtype), torch.randn(3, 48).to(dtype)
-    assert torch.equal(layer.forward_residual(x, residual), residual + layer(x)) or layer.holds_dense  # Linear fuses
+    assert torch.equal(layer.forward_residual(x, residual), residual + layer(x)) or layer.holds_dense  # Linear fuses (no bias here)
     with_bias = make_linear(w, dtype, CPU, bias)
     assert torch.allclose(with_bias(x).float(), layer(x).float() + bias.to(dtype).float(), rtol=2e-2, atol=0.1)
     if layer.holds_dense:  # the values an in-place update writes into
@@ -51,6 +51,6 @@ def test_a_new_format_is_one_subclass():
     w, x, b = torch.randn(4, 8), torch.randn(2, 8), torch.randn(4)
     layer = Scaled(w, b)
     assert torch.allclose(layer(x), 2 * x @ w.t() + b)
-    assert torch.allclose(layer.forward_residual(x, torch.ones(2, 4)), 1 + layer(x))
+    assert torch.allclose(layer.forward_residual(x, torch.ones(2, 4)), 1 + layer(x) - b)  # no bias in the residual path
     assert all(issubclass(getattr(linear, name), LinearBase) for name in
                ("Linear", "DenseLinear", "QuantLinear", "DecodedLinear", "PackedLinear", "StackedLinear"))

@@ -33,8 +33,9 @@ class LinearBase(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x W^T (the o and down projections: no bias); a class may fuse the add."""
-        return residual + self(x)
+        """residual + x W^T, the bias left out (the o and down projections have none); a class may
+        fuse the add."""
+        return residual + self._matmul(x)
 
     def matrix(self) -> torch.Tensor:
         """The [N, K] dense values (only where `holds_dense`)."""

@@ -191,7 +191,9 @@ class LlamaModel(nn.Module):
         # One RoPE table per base: the model's, and Gemma 3's sliding layers' own.
         tables = [rope_inv_freq(cfg)] + ([rope_inv_freq(cfg, local=True)] if cfg.rope_local_theta else [])
         self.register_buffer("inv_freq", torch.stack([f for f, _ in tables]).to(device), persistent=False)
-        self.rope_factors = [factor for _, factor in tables]
+        # LongRoPE scales cos and sin: a buffer, so a step copies nothing from the host.
+        factors = torch.tensor([factor for _, factor in tables])[:, None, None, None]
+        self.register_buffer("rope_scale", None if bool((factors == 1).all()) else factors.to(device), persistent=False)
         # Gemma scales its embeddings by sqrt(hidden), rounded to the model's dtype as it does.
         fam = family(cfg.architecture)
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype)) if fam.embed_scale else None
@@ -217,9 +219,8 @@ class LlamaModel(nn.Module):
         s = freqs.sin()
         sin = torch.cat((-s, s), dim=-1)[:, :, None, :]  # rotate_half's sign
         cos = emb.cos()
-        if self.rope_factors != [1.0] * len(self.rope_factors):  # LongRoPE scales both
-            factors = torch.tensor(self.rope_factors, device=cos.device)[:, None, None, None]
-            cos, sin = cos * factors, sin * factors
+        if self.rope_scale is not None:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, num_layers: int | None = None):
