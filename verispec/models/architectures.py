@@ -118,24 +118,20 @@ def of_gguf_arch(arch: str) -> str:
 def hf_parts(name: str, fam: Family) -> tuple[str, ...] | None:
     """verispec's names for an HF checkpoint tensor (several for a fused one, in row order); None
     for a tensor the model does not use (rotary caches and the like)."""
-    name = name.removeprefix("model.")
-    if name in _HF_TOP:
-        return (_HF_TOP[name],)
-    if name.startswith("layers."):
-        _, idx, rest = name.split(".", 2)
-        ours = fam.hf_name(rest)
-        if ours is not None:
-            return tuple(f"layers.{idx}.{p}" for p in ((ours,) if isinstance(ours, str) else ours))
-    return None
+    return _parts(name.removeprefix("model."), _HF_TOP, "layers.", fam.hf_name)
 
 
 def gguf_parts(name: str, fam: Family) -> tuple[str, ...] | None:
     """As `hf_parts`, for a GGUF tensor name."""
-    if name in _GGUF_TOP:
-        return (_GGUF_TOP[name],)
-    if name.startswith("blk."):
+    return _parts(name, _GGUF_TOP, "blk.", fam.gguf_name)
+
+
+def _parts(name: str, top: dict, layer_prefix: str, layer_name) -> tuple[str, ...] | None:
+    if name in top:
+        return (top[name],)
+    if name.startswith(layer_prefix):
         _, idx, rest = name.split(".", 2)
-        ours = fam.gguf_name(rest)
+        ours = layer_name(rest)
         if ours is not None:
             return tuple(f"layers.{idx}.{p}" for p in ((ours,) if isinstance(ours, str) else ours))
     return None
