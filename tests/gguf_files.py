@@ -37,7 +37,7 @@ def _name(hf: str, gemma: bool) -> str | None:
 
 
 def write_gguf(checkpoint: str | Path, target: str | Path, qtype: str = "F32") -> str:
-    """The checkpoint as a GGUF file; 2-D matrices in `qtype` (F32 or Q8_0), the rest F32."""
+    """The checkpoint as a GGUF file; 2-D matrices in `qtype` (F32, Q8_0 or IQ4_NL), the rest F32."""
     from safetensors.torch import load_file
 
     checkpoint = Path(checkpoint)
@@ -60,6 +60,8 @@ def write_gguf(checkpoint: str | Path, target: str | Path, qtype: str = "F32") -
         if qtype == "Q8_0" and array.ndim == 2 and array.shape[1] % 32 == 0:
             w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif qtype == "IQ4_NL" and array.ndim == 2 and array.shape[1] % 32 == 0:
+            w.add_tensor(name, iq4_nl(array), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
         else:
             w.add_tensor(name, array)
     _rope_factors(w, cfg)
@@ -68,6 +70,21 @@ def write_gguf(checkpoint: str | Path, target: str | Path, qtype: str = "F32") -
     w.write_tensors_to_file()
     w.close()
     return str(target)
+
+
+_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def iq4_nl(array: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of a matrix (gguf-py has no IQ4_NL quantizer): per 32 inputs an fp16 d = max|w|
+    / 127 and each weight's nearest table value; byte j holds input j's index (low) and j + 16's."""
+    n, k = array.shape
+    groups = array.reshape(-1, 32)
+    d = (np.abs(groups).max(axis=1, keepdims=True) / 127).astype(np.float16)
+    safe = np.where(d == 0, 1, d).astype(np.float32)
+    idx = np.abs(groups[:, :, None] / safe[:, :, None] - _IQ4_VALUES).argmin(-1).astype(np.uint8)
+    qs = idx[:, :16] | (idx[:, 16:] << 4)
+    return np.concatenate([d.view(np.uint8), qs], axis=1).reshape(n, -1)
 
 
 def _metadata(w: gguf.GGUFWriter, arch: str, cfg: dict) -> None:

@@ -19,7 +19,7 @@ from gguf_files import hf_with_file_weights, write_gguf
 from test_llama import hf_logits, run_ours
 from verispec import LLM, SamplingParams
 from verispec.models.architectures import SUPPORTED, family, gguf_parts, hf_parts
-from verispec.models.loader import load_checkpoint
+from verispec.models.loader import load_checkpoint, weight_kinds
 from verispec.models.weights import check_update, read_safetensors
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -145,13 +145,13 @@ def test_a_prefix_cached_request_equals_an_uncached_one_past_the_window(families
                [e and {t: x.logprob for t, x in e.items()} for e in b.prompt_logprobs]
 
 
-@pytest.mark.parametrize("arch", NEW_FAMILIES)
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("arch, qtype", [(a, q) for a in NEW_FAMILIES for q in ("F32", "Q8_0")] + [("gemma2", "IQ4_NL")])
 def test_gguf_files_match_hf_on_the_same_values(tmp_path, arch, qtype, monkeypatch):
     """A file as llama.cpp's converter writes it (norms as 1 + w, fused qkv, factors as tensors),
     read by verispec (Q8_0: the exact tier on the codes) against HF holding the file's values.
     The file cannot say Gemma's query scale, and Gemma 3's sliding pattern is its family's (five
-    of six layers), as llama.cpp assumes: the checkpoint is made so."""
+    of six layers), as llama.cpp assumes: the checkpoint is made so. IQ4_NL: the exact values as
+    8-bit codes."""
     over = {"gemma2": {"query_pre_attn_scalar": 16},
             "gemma3": {"num_hidden_layers": 6, "layer_types": None, "rope_parameters": None}}.get(arch, {})
     path = make_tiny_checkpoint(tmp_path / "hf", arch, **over)
@@ -162,6 +162,8 @@ def test_gguf_files_match_hf_on_the_same_values(tmp_path, arch, qtype, monkeypat
     with torch.no_grad():
         ref = hf_with_file_weights(path, file)(torch.tensor([ids])).logits[0].float()
     assert_close_to_oracle(ours, ref)
+    if qtype == "IQ4_NL":
+        assert weight_kinds(load_checkpoint(file, torch.float32, "gguf")[1]) == "IQ4_NL as exact 8-bit codes"
     if qtype != "F32":  # the fast tier packs the same blocks (a fused qkv split and stacked again)
         fast = run_ours(file, ids, [40], dtype=torch.bfloat16, block=16, quantization="gguf")
         assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

@@ -206,3 +206,26 @@ def test_a_tied_packed_head_serves_the_lookup_without_a_dense_table(smollm2_path
     assert model.embed.numel() == 0 and isinstance(model.lm_head, PackedLinear)
     ids = torch.tensor([1, 2, 49151])
     assert torch.equal(model.embed_tokens(ids), weights["embed"].dequantize()[ids].bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("seed", range(3))
+def test_iq4_types_widen_to_their_exact_values(kind, seed, tmp_path):
+    """IQ4_NL / IQ4_XS: each weight a table value times its group's scale, as 8-bit codes and fp32
+    scales that decode bit for bit as gguf's dequantize does, on random blocks (scales 1e-4..1e2)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from verispec.models.gguf_blocks import widened
+
+    rng = np.random.default_rng(seed)
+    inputs, size = {"IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}[kind]
+    n, k = 5, 512
+    blocks = rng.integers(0, 256, (n * k // inputs, size), dtype=np.uint8)
+    blocks[:, 0:2] = (rng.uniform(1e-4, 1e2, (len(blocks), 1)) * rng.choice([-1, 1], (len(blocks), 1))
+                      ).astype(np.float16).view(np.uint8)
+    w = widened(blocks.reshape(-1), kind, (n, k))
+    ref = dequantize(blocks.reshape(n, -1), GGMLQuantizationType[kind]).reshape(n, k)
+    assert w.bits == 8 and w.exact_source and w.source == kind
+    assert np.array_equal(w.dequantize().numpy().view(np.uint32), np.asarray(ref, dtype=np.float32).view(np.uint32))
+    assert widened(blocks.reshape(-1), "Q3_K", (n, k)) is None

@@ -22,7 +22,7 @@ import torch
 from verispec import envs
 from verispec.models.architectures import Family, family, gguf_parts, hf_parts, is_norm, of_gguf_arch
 from verispec.models.config import ModelConfig
-from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks
+from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks, widened
 from verispec.models.gguf_index import file_key, read_index
 from verispec.models.quant import GROUP_SIZE, QuantizedWeight, quantize_rtn
 
@@ -233,8 +233,9 @@ def _unpermute_rows(rows: int, n_head: int) -> torch.Tensor:
 
 def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
     """keep_blocks: matrices of the packed kernel's types stay the file's blocks (read from the
-    file when their layer is built); other quantized types (Q2_K, Q3_K, the IQ types) are
-    re-quantized to 8 bits, which loses next to nothing, and say so (`weight_kinds`)."""
+    file when their layer is built); IQ4_NL and IQ4_XS become their exact values in 8-bit codes;
+    other quantized types (Q2_K, Q3_K, the other IQ types) are re-quantized to 8 bits, which loses
+    next to nothing; `weight_kinds` says which."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -246,11 +247,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
         names = gguf_parts(t.name, fam)
         if names is None:
             continue
-        shape, kind = tuple(t.shape), t.kind
+        shape, kind, raw = tuple(t.shape), t.kind, data[t.offset : t.offset + t.n_bytes]
+        exact = widened(raw, kind, shape) if keep_blocks and len(shape) == 2 else None
         if keep_blocks and kind in PACKED_KINDS and len(shape) == 2:
             w = GGUFBlocks.from_file(path, t.offset, kind, shape)
+        elif exact is not None:
+            w = exact
         else:
-            array = dequantize(data[t.offset : t.offset + t.n_bytes], GGMLQuantizationType[kind]).reshape(shape)
+            array = dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)
             w = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
             if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % GROUP_SIZE == 0:
                 w = quantize_rtn(w, 8, source=kind)
@@ -279,12 +283,15 @@ def _gguf_split(names: tuple[str, ...], w, cfg: ModelConfig, fam: Family) -> lis
 
 def weight_kinds(weights: dict) -> str:
     """The quantized formats of a loaded model, for its start-up line: the file's types it keeps,
-    and those re-quantized to 8 bits ("Q4_K, Q6_K; IQ4_XS re-quantized to 8 bits"); "" if none."""
+    those widened to exact 8-bit codes, and those re-quantized to 8 bits ("Q4_K, Q6_K; IQ4_XS as
+    exact 8-bit codes; Q3_K re-quantized to 8 bits"); "" if none."""
     kept = sorted({w.kind for w in weights.values() if isinstance(w, (GGUFBlocks, QuantizedWeight)) and w.kind})
-    converted = sorted({w.source for w in weights.values() if isinstance(w, QuantizedWeight) and w.source})
+    others = [w for w in weights.values() if isinstance(w, QuantizedWeight) and w.source]
     text = ", ".join(kept)
-    if converted:
-        text += ("; " if text else "") + ", ".join(converted) + " re-quantized to 8 bits"
+    for exact, how in ((True, "as exact 8-bit codes"), (False, "re-quantized to 8 bits")):
+        kinds = sorted({w.source for w in others if w.exact_source == exact})
+        if kinds:
+            text += ("; " if text else "") + ", ".join(kinds) + " " + how
     return text
 
 

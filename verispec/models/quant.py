@@ -32,6 +32,7 @@ class QuantizedWeight:
     group_size: int = GROUP_SIZE
     kind: str | None = None  # a GGUF file's block type ("Q4_0", "Q4_1", "Q8_0"); None: round to nearest
     source: str | None = None  # a GGUF type these round-to-nearest codes were made from (one not kept)
+    exact_source: bool = False  # the codes are `source`'s own values, widened (IQ4_NL, IQ4_XS), not rounded
 
     @property
     def shape(self) -> torch.Size:
