@@ -156,7 +156,6 @@ def _q6_k(blocks: np.ndarray):
 # IQ4_NL / IQ4_XS: a nibble indexes a table of int8 values, so each weight is an 8-bit code times
 # its group's scale (d, or d (ls - 32) per 32 for IQ4_XS), exactly (at most 24 significant bits).
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-_WIDENED_BLOCKS = {"IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
 
 
 def _iq4_nl(blocks: np.ndarray):
@@ -172,14 +171,18 @@ def _iq4_xs(blocks: np.ndarray):
     return codes, d * (ls.astype(np.float32) - 32), None, 32
 
 
+# (inputs, bytes, decoder) per block of the types `widened` takes.
+_WIDENED = {"IQ4_NL": (32, 18, _iq4_nl), "IQ4_XS": (256, 136, _iq4_xs)}
+
+
 def widened(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantizedWeight | None:
     """A matrix of a 4-bit type the packed kernel does not take (IQ4_NL, IQ4_XS) as the file's exact
     values in 8-bit codes (twice its bytes; Q8_0's layout where the scales fit fp16); None for
     another type, or a row that is not whole blocks."""
-    if kind not in _WIDENED_BLOCKS or shape[1] % _WIDENED_BLOCKS[kind][0]:
+    if kind not in _WIDENED or shape[1] % _WIDENED[kind][0]:
         return None
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1, _WIDENED_BLOCKS[kind][1])
-    codes, scale, _, group = (_iq4_nl if kind == "IQ4_NL" else _iq4_xs)(blocks)
+    _, size, decode = _WIDENED[kind]
+    codes, scale, _, group = decode(np.asarray(raw, dtype=np.uint8).reshape(-1, size))
     t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(shape[0], -1)  # noqa: E731
     return QuantizedWeight(8, t(codes), t(scale), None, group, source=kind, exact_source=True)
 
