@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from verispec.engine.runner import ModelRunner
+from verispec.worker.runner import ModelRunner
 
 MESSAGE = "injected fault"
 

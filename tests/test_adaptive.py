@@ -166,7 +166,7 @@ def capture_layouts(monkeypatch) -> list[list[int]]:
         seen.append(out.num_verified if out.num_verified is not None else torch.tensor(meta.num_draft_tokens))
         return out
 
-    import verispec.engine.runner as runner_mod
+    import verispec.worker.runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "verify", recording)
     return seen

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from verispec import LLM, SamplingParams
-from verispec.engine.core import EngineCore
+from verispec.engine.core_process import EngineCore
 from verispec.engine.core_client import AsyncEngineClient
 from verispec.engine.core_protocol import Shutdown
 

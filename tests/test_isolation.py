@@ -1,4 +1,4 @@
-"""Crash isolation (engine/isolation.py) over a stand-in runner: which requests fail, and that the
+"""Crash isolation (worker/isolation.py) over a stand-in runner: which requests fail, and that the
 solo runs are the step's own requests with its own decisions."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from test_scheduler import make_request
 from verispec.distributed.comm import WorkerDiedError
-from verispec.engine.isolation import execute_isolating_failures
-from verispec.engine.step import RequestResult, ScheduledRequest, SchedulerOutput, StepResult
+from verispec.worker.isolation import execute_isolating_failures
+from verispec.core.step_types import RequestResult, ScheduledRequest, SchedulerOutput, StepResult
 from verispec.sample.grammar import GrammarFailed
 from verispec.spec_decode.adaptive import AdaptivePlan
 

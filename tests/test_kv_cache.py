@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from conftest import examples
-from verispec.engine.kv_cache import BlockPool
+from verispec.core.kv_cache import BlockPool
 
 
 def observable(pool: BlockPool, ids=()) -> tuple:

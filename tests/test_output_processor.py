@@ -10,7 +10,7 @@ import pytest
 from verispec import SamplingParams
 from verispec.config import LogprobsMode
 from verispec.engine.output_processor import OutputProcessor
-from verispec.request import Request, RequestStatus
+from verispec.core.request import Request, RequestStatus
 from verispec.sample.noise import RequestNoise
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (engine/prefix_cache.py): hits change what is computed, never a value.
+"""Automatic prefix caching (core/prefix_cache.py): hits change what is computed, never a value.
 
 The reference is always the same engine with the cache off: outputs and every logprob (sampled
 and prompt) must be equal, and afterwards every block must be free (cached blocks with no user
@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from conftest import SMOLLM2_LOGPROB_TOL, TINY_VOCAB, examples, random_prompts
 from verispec import LLM, SamplingParams
-from verispec.engine.kv_cache import BlockPool
-from verispec.engine.prefix_cache import PrefixCache, PromptRowCache, chain_hash
-from verispec.request import Request
+from verispec.core.kv_cache import BlockPool
+from verispec.core.prefix_cache import PrefixCache, PromptRowCache, chain_hash
+from verispec.core.request import Request
 from verispec.outputs import LogprobsLists
 from verispec.sample.noise import RequestNoise
 

@@ -5,7 +5,7 @@ equality, which the scheduler's list lookups rely on."""
 from __future__ import annotations
 
 from verispec.config import LogprobsMode
-from verispec.request import Request, RequestStatus
+from verispec.core.request import Request, RequestStatus
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 

@@ -10,7 +10,7 @@ import pytest
 from test_adaptive import adaptive
 from test_spec_decode import repetitive_prompts
 from verispec import LLM, SamplingParams
-from verispec.engine.step import StepResult
+from verispec.core.step_types import StepResult
 
 
 def snapshot(sched) -> list:

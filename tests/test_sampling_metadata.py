@@ -9,7 +9,7 @@ import torch
 
 from test_processors import CPU, make_row
 from verispec.config import LogprobsMode
-from verispec.request import Request
+from verispec.core.request import Request
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from verispec import SamplingParams
 from verispec.config import LogprobsMode
-from verispec.engine.kv_cache import BlockPool
-from verispec.request import Request, RequestStatus
-from verispec.engine.scheduler import Scheduler
-from verispec.engine.step import RequestResult, SchedulerOutput, StepResult
+from verispec.core.kv_cache import BlockPool
+from verispec.core.request import Request, RequestStatus
+from verispec.core.scheduler import Scheduler
+from verispec.core.step_types import RequestResult, SchedulerOutput, StepResult
 from verispec.sample.noise import RequestNoise
 
 BLOCK = 4

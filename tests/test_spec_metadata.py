@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from verispec.config import LogprobsMode
-from verispec.request import Request
-from verispec.engine.step import ScheduledRequest
+from verispec.core.request import Request
+from verispec.core.step_types import ScheduledRequest
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts, SpecDecodeMetadata

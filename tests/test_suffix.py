@@ -12,7 +12,7 @@ from test_drafter import decoding
 from test_spec_decode import assert_same_logprobs, repetitive_prompts, run_with_and_without
 from verispec import LLM, SamplingParams
 from verispec.config import SpeculativeConfig
-from verispec.request import RequestStatus
+from verispec.core.request import RequestStatus
 from verispec.spec_decode.suffix import SuffixCache, SuffixDrafter
 
 

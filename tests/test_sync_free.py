@@ -43,7 +43,7 @@ def host_reads_forbidden():
 def step_targets(runner) -> list[tuple[object, str]]:
     """The device phase of a step: building the spec-decode metadata, the forward, prompt
     scoring, verification (every sampled row) and a model drafter's drafting."""
-    import verispec.engine.runner as runner_mod
+    import verispec.worker.runner as runner_mod
 
     targets = [(runner_mod.SpecDecodeMetadata, "build"), (runner, "_forward"), (runner, "_score_prompts"),
                (runner_mod, "verify")]
@@ -113,7 +113,7 @@ def test_the_guard_catches_a_host_read():
 
 
 # Modules whose code runs between scheduling and the step's one D2H copy.
-STEP_MODULES = ["engine/runner.py", "models/attention.py", "models/llama.py", "sample/logprobs.py",
+STEP_MODULES = ["worker/runner.py", "models/attention.py", "models/llama.py", "sample/logprobs.py",
                 "sample/metadata.py", "sample/noise.py", "sample/processors.py", "sample/prompt_logprobs.py",
                 "sample/sampler.py", "spec_decode/adaptive.py", "spec_decode/drafter.py",
                 "spec_decode/metadata.py", "spec_decode/rejection.py", "spec_decode/verify.py"]

@@ -11,8 +11,8 @@ import torch
 
 from verispec import SamplingParams
 from verispec.config import LogprobsMode
-from verispec.engine.step import ScheduledRequest
-from verispec.request import Request
+from verispec.core.step_types import ScheduledRequest
+from verispec.core.request import Request
 from verispec.sample.metadata import RowSpec
 from verispec.sample.noise import RequestNoise
 from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts, SpecDecodeMetadata

@@ -1,4 +1,4 @@
-"""The waiting queue (engine/waiting.py) against a plain reference: per-group FIFOs, the fairest
+"""The waiting queue (core/waiting.py) against a plain reference: per-group FIFOs, the fairest
 head picked by (running sequences, arrival), requests that go back keeping their place."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from test_scheduler import make_request
-from verispec.engine.waiting import WaitingQueue
+from verispec.core.waiting import WaitingQueue
 
 GROUPS = ("a", "b", "c", "d")
 

@@ -19,7 +19,7 @@ from conftest import make_tiny_checkpoint, random_prompts
 from server_utils import free_port
 from verispec import LLM, SamplingParams
 from verispec.distributed.weight_group import WeightGroupSpec
-from verispec.engine.weight_sync import UpdateWhileRunning
+from verispec.worker.weight_sync import UpdateWhileRunning
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
 PROMPTS = random_prompts(2, 4, 10, seed=21)

@@ -1,4 +1,4 @@
-"""The engine's side of weight updates (verispec/engine/weight_sync.py): what `weights` may be,
+"""The engine's side of weight updates (verispec/worker/weight_sync.py): what `weights` may be,
 when an update may run, the weight version on outputs and metrics, and the emptied prefix cache."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny_checkpoint, random_prompts
 from verispec import LLM, SamplingParams
 from verispec.engine.dp_client import sum_stats
-from verispec.engine.weight_sync import UpdateWhileRunning, WeightVersions, named_tensors
+from verispec.worker.weight_sync import UpdateWhileRunning, WeightVersions, named_tensors
 from verispec.entrypoints.openai.metrics import ServerMetrics
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)

@@ -260,7 +260,7 @@ class EngineConfig:
     # default (verispec/envs.py).
     enforce_eager: bool = _option(help="do not compile the layer stack (faster start-up, slower steps)",
                                   factory=lambda: not envs.compile_enabled())
-    # Automatic prefix caching (engine/prefix_cache.py), and the memory its cached prompt-logprob
+    # Automatic prefix caching (core/prefix_cache.py), and the memory its cached prompt-logprob
     # rows may take (0: cache KV only).
     enable_prefix_caching: bool = _option(True, "reuse the KV (and prompt-logprob rows) of shared prompt prefixes")
     prompt_logprobs_cache_bytes: int = _option(64 << 20, "memory for prompt-logprob rows cached beside prefix "

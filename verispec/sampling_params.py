@@ -118,7 +118,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
     logprobs_mode: LogprobsMode | str | None = None
-    # Requests with different salts never share cached prefix blocks (engine/prefix_cache.py), so
+    # Requests with different salts never share cached prefix blocks (core/prefix_cache.py), so
     # one tenant cannot learn from timing that another sent the same prompt.
     cache_salt: str | None = None
     # A grammar the output must follow: StructuredOutputsParams, or a dict of its fields.

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from verispec.config import EngineConfig
-from verispec.engine.core import params_to_wire, run_engine_core
+from verispec.engine.core_process import params_to_wire, run_engine_core
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, ContinueGeneration, ControlReply, CoreFailed, CoreMessage, CoreOutputs,
     CoreReady, EngineStats, InitWeightsUpdateGroup, PauseGeneration, RequestDelta, ResetPrefixCache, Shutdown,

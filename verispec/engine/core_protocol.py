@@ -48,7 +48,7 @@ PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class PauseGeneration(msgspec.Struct, tag="pause"):
-    """Stop generating (engine/core.py, `GenerationGate`): `abort` finishes every unfinished
+    """Stop generating (engine/core_process.py, `GenerationGate`): `abort` finishes every unfinished
     request now (finish_reason "abort"), `wait` lets them finish, `keep` holds them where they
     are. Requests that arrive while paused wait for ContinueGeneration. Answered by a ControlReply
     once paused (for `wait`, once the last one finished)."""

@@ -13,17 +13,17 @@ from verispec.config import EngineConfig
 from verispec.distributed.executor import TensorParallel, build_model, rank_threads
 from verispec.distributed.sharding import max_kv_heads_per_rank
 from verispec.engine.core_protocol import EngineStats
-from verispec.engine.isolation import execute_isolating_failures
-from verispec.engine.kv_cache import BlockPool, num_kv_blocks
+from verispec.worker.isolation import execute_isolating_failures
+from verispec.core.kv_cache import BlockPool, num_kv_blocks
 from verispec.engine.output_processor import OutputProcessor
-from verispec.engine.prefix_cache import PrefixCache
-from verispec.engine.runner import ModelRunner
-from verispec.engine.scheduler import Scheduler
+from verispec.core.prefix_cache import PrefixCache
+from verispec.worker.runner import ModelRunner
+from verispec.core.scheduler import Scheduler
 from verispec.engine.scoring import scoring_request
 from verispec.engine.startup import RuntimeInfo, StartupLog
-from verispec.engine.step import SchedulerOutput
+from verispec.core.step_types import SchedulerOutput
 from verispec.distributed.weight_group import WeightGroupSpec
-from verispec.engine.weight_sync import (UpdateWhileRunning, WeightGroupLink, WeightsLike, WeightUpdate, WeightVersion,
+from verispec.worker.weight_sync import (UpdateWhileRunning, WeightGroupLink, WeightsLike, WeightUpdate, WeightVersion,
                                          WeightVersions, timed_update, update_model_weights)
 from verispec.host_memory import keep_freed_memory
 from verispec.models.compile import CompiledStack, compile_wanted, warm_up
@@ -31,12 +31,12 @@ from verispec.models.cpu_kernels import kernel_build
 from verispec.models.default import default_model_path
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision, weight_kinds
 from verispec.outputs import RequestOutput
-from verispec.request import Request, RequestStatus
+from verispec.core.request import Request, RequestStatus
 from verispec.sample.grammar import GrammarCompiler
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
 from verispec.spec_decode.metrics import SpecDecodeMetrics
-from verispec.spec_decode.registry import make_adaptive, make_drafter
+from verispec.spec_decode.registry import make_draft_policy
 from verispec.tokenization import bad_word_ids
 
 logger = logging.getLogger("verispec")
@@ -122,17 +122,14 @@ class LLMEngine:
         engine_key = f"{model_path}|{config.dtype}|{config.quantization}|{spec.method if spec else None}"
         self.prefix_cache = PrefixCache(self.pool, engine_key, config.enable_prefix_caching,
                                         config.prompt_logprobs_cache_bytes)
-        self.drafter = make_drafter(spec, self.model, self.tokenizer, config) if spec else None
-        # Adaptive verification: the scheduler plans each step's drafts with it, the engine feeds
-        # it each step's measured cost.
-        self.adaptive = (make_adaptive(config, self.model, self.drafter)
-                         if spec is not None and spec.adaptive_verification else None)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0), self.adaptive,
+        # The scheduler's draft policy decides every step's drafts (spec_decode/policy.py).
+        self.drafts = make_draft_policy(config, self.model, self.tokenizer) if spec else None
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.drafts,
                                    self.prefix_cache)
-        # Model drafters draft inside the step, before the verify forward; prompt lookup drafts after it.
-        in_step = self.drafter if self.drafter is not None and self.drafter.needs_forward else None
-        self.runner = ModelRunner(self.model, config, self.pool, drafter=in_step)
+        # Model drafters draft inside the step, before the verify forward; the others after it.
+        drafter = self.drafts.drafter if self.drafts is not None else None
+        self.runner = ModelRunner(self.model, config, self.pool,
+                                  drafter=drafter if drafter is not None and drafter.drafts_in_step else None)
         with self.startup.phase("compile"):
             warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
         self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None,
@@ -150,7 +147,7 @@ class LLMEngine:
 
     @property
     def spec_metrics(self) -> SpecDecodeMetrics:
-        return self.scheduler.spec_metrics
+        return self.drafts.metrics if self.drafts is not None else SpecDecodeMetrics(0)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
@@ -268,7 +265,7 @@ class LLMEngine:
         self.prefix_cache.reset()
 
     def update_weights(self, weights: WeightsLike, weight_version: WeightVersion | None = None) -> WeightUpdate:
-        """New weights in place (engine/weight_sync.py), then an empty prefix cache; only while no
+        """New weights in place (worker/weight_sync.py), then an empty prefix cache; only while no
         request is unfinished: each request runs under one weight version."""
         if (busy := self._busy()) is not None:
             raise busy
@@ -313,18 +310,13 @@ class LLMEngine:
         result, failed = execute_isolating_failures(self.runner, sched)
         errored = self._fail_requests(sched, failed)
         emitted = self.output.process_step(sched, result, skip=errored, step=self.num_steps)
-        self.scheduler.update_from_output(sched, result, skip=errored)
         for req in emitted:  # a grammar that refused a token fails its request now, not its next step
             if req.grammar is not None and not req.is_finished and (error := req.grammar.error()):
                 logger.warning("request %s failed: %s", req.request_id, error)
                 self._fail(req, error, "invalid")
                 errored.add(req.request_id)
-        if self.drafter is not None:  # a step that does not draft still retires finished requests
-            drafting = self.adaptive is None or self.adaptive.should_draft()
-            self.drafter.propose(self.scheduler.running if drafting else [], self.max_model_len)
-        if self.adaptive is not None and not failed:
-            # The step's real cost, for the budget's cost model (drafts as trimmed by the plan).
-            self.adaptive.cost.observe(sched.num_tokens, time.perf_counter() - start)
+        # The step's real cost (drafting the next one included) is a measure unless a request failed.
+        self.scheduler.update_from_output(sched, result, skip=errored, started=None if failed else start)
         changed = errored | {r.request_id for r in emitted}
         parents = [self._child_parent[s.request.request_id] for s in sched.scheduled if s.request.request_id in changed]
         return [self._parent_output(pid) for pid in dict.fromkeys(parents)]
@@ -370,7 +362,7 @@ class LLMEngine:
     def engine_stats(self) -> EngineStats:
         """The engine's counters and gauges, the one place they are gathered."""
         m, cache = self.spec_metrics, self.prefix_cache
-        adaptive = self.adaptive.stats if self.adaptive is not None else None
+        adaptive = self.drafts.adaptive.stats if self.drafts is not None and self.drafts.adaptive else None
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),

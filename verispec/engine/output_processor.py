@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tokenizers.decoders import DecodeStream
 
-from verispec.request import Request, RequestStatus
+from verispec.core.request import Request, RequestStatus
 from verispec.outputs import CompletionOutput, Logprob, LogprobsLists, token_sources
 
 if TYPE_CHECKING:
-    from verispec.engine.step import SchedulerOutput, StepResult
+    from verispec.core.step_types import SchedulerOutput, StepResult
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from verispec.distributed.weight_group import WeightGroupSpec
 from verispec.engine.core_protocol import (PAUSE_MODES, AddRequest, ContinueGeneration, ControlReply,
                                            InitWeightsUpdateGroup, PauseGeneration, UpdateWeightsFromDisk,
                                            UpdateWeightsFromDistributed)
-from verispec.engine.weight_sync import UpdateWhileRunning
+from verispec.worker.weight_sync import UpdateWhileRunning
 from verispec.outputs import RequestOutput
 
 logger = logging.getLogger("verispec.core")

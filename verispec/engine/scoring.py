@@ -11,7 +11,7 @@ they computed the decode row, so the values are the rollout's bit for bit. This 
 from __future__ import annotations
 
 from verispec.outputs import RequestOutput, ScoreOutput
-from verispec.request import ScoredCompletion
+from verispec.core.request import ScoredCompletion
 from verispec.sampling_params import SamplingParams
 
 

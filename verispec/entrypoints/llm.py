@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from verispec.config import EngineConfig
 from verispec.distributed.weight_group import WeightGroupSpec
 from verispec.engine.llm_engine import LLMEngine
-from verispec.engine.weight_sync import WeightsLike, WeightUpdate, WeightVersion
+from verispec.worker.weight_sync import WeightsLike, WeightUpdate, WeightVersion
 from verispec.entrypoints.chat_utils import chat_prompt_ids
 from verispec.engine.scoring import score_output
 from verispec.outputs import RequestOutput, ScoreOutput

@@ -20,7 +20,7 @@ from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine's request imports the noise module, not this one
-    from verispec.request import Request
+    from verispec.core.request import Request
 
 
 @dataclass(slots=True)

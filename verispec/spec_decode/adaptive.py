@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from verispec.core.step_types import AdaptivePlan
 from verispec.device_copy import to_device
 from verispec.spec_decode.budget import Groups, best_prefix, completion_gains
 
@@ -233,36 +234,27 @@ def admit(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class RequestHistory:
-    """One request's estimates, kept across its steps (Request.spec_history)."""
+    """One request's estimates, kept across its steps (AdaptiveController, by request id)."""
 
     confidence: list[float]  # per-position acceptance EMA
     survival: list[float] | None = None  # the survival of the drafts it verified last (model drafters)
 
 
-@dataclass(slots=True)
-class AdaptivePlan:
-    """A model drafter's step plan: the budget B, and what the device scores slots with."""
-
-    budget: int
-    # [greedy/random][q-peak bucket] acceptance rates, a copy taken when the step was planned:
-    # the device scores the slots with it (Q_BUCKET_EDGES are the buckets' left edges).
-    calibration: list[list[float]]
-
-    def survival(self, reqs, num_drafts: list[int], confidence: list[torch.Tensor | None],
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """[R, K] survival scores on the device (-inf past each request's drafts), and the raw q
-        peaks [R, K] (zeros past the drafts), which go back to the host."""
-        k = max(num_drafts)
-        edges = to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device)
-        table = to_device(self.calibration, dtype=torch.float32, device=device)
-        raw = torch.zeros(len(reqs), k, device=device)
-        for i, c in enumerate(confidence):
-            if c is not None:
-                raw[i, : c.shape[0]] = c.float()
-        mode = to_device([0 if r.params.greedy else 1 for r in reqs], dtype=torch.long, device=device)
-        scores = table[mode[:, None], torch.searchsorted(edges, raw, right=True) - 1].cumprod(dim=1)
-        drafted = torch.arange(k, device=device)[None, :] < to_device(num_drafts, device=device)[:, None]
-        return scores.masked_fill(~drafted, float("-inf")), raw
+def survival_scores(plan: AdaptivePlan, reqs, num_drafts: list[int], confidence: list[torch.Tensor | None],
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, K] survival scores on the device (-inf past each request's drafts) from the plan's
+    calibration, and the raw q peaks [R, K] (zeros past the drafts), which go back to the host."""
+    k = max(num_drafts)
+    edges = to_device(Q_BUCKET_EDGES, dtype=torch.float32, device=device)
+    table = to_device(plan.calibration, dtype=torch.float32, device=device)
+    raw = torch.zeros(len(reqs), k, device=device)
+    for i, c in enumerate(confidence):
+        if c is not None:
+            raw[i, : c.shape[0]] = c.float()
+    mode = to_device([0 if r.params.greedy else 1 for r in reqs], dtype=torch.long, device=device)
+    scores = table[mode[:, None], torch.searchsorted(edges, raw, right=True) - 1].cumprod(dim=1)
+    drafted = torch.arange(k, device=device)[None, :] < to_device(num_drafts, device=device)[:, None]
+    return scores.masked_fill(~drafted, float("-inf")), raw
 
 
 @dataclass(slots=True)
@@ -280,7 +272,6 @@ class AdaptiveController:
     """Host side of adaptive verification: confidences, the budget, the trim, the statistics."""
 
     def __init__(self, k: int, cost: CostModel, exact_host_scores: bool):
-        self.k = k
         self.cost = cost
         # ngram: the host's scores are this step's own, so the trim is exact and needs no slack.
         self.exact_host_scores = exact_host_scores
@@ -292,21 +283,19 @@ class AdaptiveController:
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
         self.refused = 0  # planned steps in a row whose budget was 0
         self._since_draft = 0  # steps since the drafter last proposed
+        self._history: dict[str, RequestHistory] = {}
 
     def should_draft(self) -> bool:
-        """Whether the drafter proposes for the next step (the engine asks once a step). Always,
-        until REFUSAL_STREAK steps in a row verified no draft; then every n-th step, n growing
-        with the streak; the first step that verifies a draft ends the streak. The answer depends
-        on earlier steps only, never on a draft's value, so verification stays exact."""
+        """Whether the drafter proposes for the next step (asked once a step). Always, until
+        REFUSAL_STREAK steps in a row verified no draft; then every n-th step, n growing with the
+        streak; the first step that verifies a draft ends the streak. The answer depends on
+        earlier steps only, never on a draft's value, so verification stays exact."""
         interval = min(MAX_DRAFT_INTERVAL, 2 ** min(8, self.refused // REFUSAL_STREAK))
         self._since_draft += 1
         if self._since_draft < interval:
             return False
         self._since_draft = 0
         return True
-
-    def calibrated(self, q: float, greedy: bool) -> float:
-        return self.calibration[0 if greedy else 1][q_bucket(q)]
 
     def calibrated_survival(self, peaks, greedy: bool) -> list[float]:
         """The running product of the peaks' calibrated rates: one lookup for the whole draft (a
@@ -315,37 +304,45 @@ class AdaptiveController:
         return np.cumprod(table[np.searchsorted(_EDGES, peaks, side="right") - 1]).tolist()
 
     # ------------------------------------------------------------------ scores on the host
-    def history(self, req) -> RequestHistory:
-        if req.spec_history is None:
-            req.spec_history = RequestHistory(confidence=list(self.global_confidence))
-        return req.spec_history
+    def history(self, request_id: str) -> RequestHistory:
+        history = self._history.get(request_id)
+        if history is None:
+            history = self._history[request_id] = RequestHistory(confidence=list(self.global_confidence))
+        return history
 
-    def host_scores(self, req, num_drafts: int) -> list[float]:
-        """The survival estimate of each of the request's slots, from host values only."""
-        history = self.history(req)
+    def finish(self, request_id: str) -> None:
+        """A request that left: its estimates go."""
+        self._history.pop(request_id, None)
+
+    def host_scores(self, req, drafts) -> list[float]:
+        """The survival estimate of each of the request's slots (`drafts`: a `Drafts`), from host
+        values only."""
+        num_drafts = len(drafts)
+        history = self.history(req.request_id)
         if not self.exact_host_scores and history.survival:
             prev = history.survival[:num_drafts]
             conf = self.global_confidence
             while len(prev) < num_drafts:  # a longer draft than last time: extend by the prior
                 prev.append(prev[-1] * conf[len(prev)])
             return prev
-        if req.draft_confidence is not None:  # a host drafter's q peaks (suffix), calibrated
-            return self.calibrated_survival(req.draft_confidence[:num_drafts], req.params.greedy)
+        if drafts.confidence is not None:  # a host drafter's q peaks (suffix), calibrated
+            return self.calibrated_survival(list(drafts.confidence[:num_drafts]), req.params.greedy)
         return list(np.cumprod(history.confidence[:num_drafts]))
 
     # ------------------------------------------------------------------ the plan
-    def plan(self, scheduled) -> AdaptivePlan | None:
-        """Picks this step's budget B and trims each scheduled request's drafts to the forward's
-        share (the scheduler calls it once per step, on its own entries). The plan for the
-        device, or None when it has nothing to admit: no request drafts, or the host's scores are
-        this step's own (ngram), so the trim keeps exactly the B best slots and every draft left
-        is verified. Host values only: it never waits for the device."""
-        drafting = [s for s in scheduled if s.draft_token_ids]
+    def plan(self, scheduled, drafts: list) -> tuple[list[int], AdaptivePlan | None]:
+        """This step's budget B, and how many of each entry's `drafts` (one `Drafts` per scheduled
+        entry) run through the forward. The plan for the device is None when it has nothing to
+        admit: no request drafts, or the host's scores are this step's own (ngram), so the trim
+        keeps exactly the B best slots and every draft left is verified. Host values only: it
+        never waits for the device."""
+        drafting = [i for i, d in enumerate(drafts) if len(d)]
+        counts = [0] * len(scheduled)
         if not drafting:
-            return None
-        scores = [self.host_scores(s.request, len(s.draft_token_ids)) for s in drafting]
+            return counts, None
+        scores = [self.host_scores(scheduled[i].request, drafts[i]) for i in drafting]
         base = sum(s.num_new_tokens for s in scheduled)
-        groups = Groups.of(scheduled, drafting)
+        groups = Groups.of(scheduled, [scheduled[i] for i in drafting])
         # Laggards' slots rank first: a member ahead of them is worth a row at most, and the
         # budget is a prefix of this order (its status depends on emitted tokens, not drafts).
         ranked = admission_order(scores)
@@ -357,23 +354,24 @@ class AdaptiveController:
         budget = best_prefix(gains, groups.num_waiting, base, self.cost)
         self.refused = self.refused + 1 if budget == 0 else 0
         keep = budget if self.exact_host_scores else min(len(order), budget + max(1, budget // 4))
-        for s, n in zip(drafting, slot_counts(order, len(drafting), keep)):
-            s.draft_token_ids = s.draft_token_ids[:n]
+        for i, n in zip(drafting, slot_counts(order, len(drafting), keep)):
+            counts[i] = n
         self.stats.num_steps += 1
         self.stats.budget_total += budget
         self.stats.drafted_total += keep
         if self.exact_host_scores:
-            return None
-        return AdaptivePlan(budget, [list(row) for row in self.calibration])
+            return counts, None
+        return counts, AdaptivePlan(budget, tuple(tuple(row) for row in self.calibration))
 
     # ------------------------------------------------------------------ after the step
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:
         """One request's verified outcome: positions 0..capacity-1 were verified, the first
         num_accepted accepted; the one after them (if verified) rejected, later ones unseen.
-        q: model drafters' q peak at each draft, copied back with the step's outputs."""
+        q: the q peak at each draft (a model drafter's, copied back with the step's outputs, or a
+        host drafter's)."""
         self.stats.admitted_total += capacity
         self.stats.capacity_histogram[capacity] += 1
-        history = self.history(req)
+        history = self.history(req.request_id)
         conf = history.confidence
         table = self.calibration[0 if req.params.greedy else 1]
         counts = self.calibration_counts[0 if req.params.greedy else 1]

@@ -19,7 +19,6 @@ from verispec.spec_decode.drafter import DraftInputs, ModelDrafter
 
 class DraftModelDrafter(ModelDrafter):
     def __init__(self, cfg: SpeculativeConfig, target, target_tokenizer, engine_config):
-        super().__init__(cfg)
         # The target's tier; a "gguf" target with an HF draft runs the draft dense in that dtype.
         quantization = engine_config.quantization
         if quantization == "gguf" and not resolve_model_path(cfg.model).is_file():

@@ -1,16 +1,19 @@
 """Drafters propose draft tokens for the requests that are decoding.
 
-- `NgramDrafter` proposes at the end of a step from the request's own tokens (no q).
-- `ModelDrafter`s (layer_skip, draft_model) reserve k PLACEHOLDER slots at the end of a step, so
-  the scheduler can budget and allocate them, then draft inside the next step, after scheduling
-  and before the verify forward (`draft`): the drafts stay on the device with q, the processed
-  draft distribution (spec_decode/metadata.py, `ModelDrafts`).
+Every drafter is a `Drafter`: it proposes at the end of a step, as many drafts as the draft policy
+gives each request room for, and hears when a request leaves.
+- `NgramDrafter` (and suffix decoding, spec_decode/suffix.py) propose values from the tokens
+  already there.
+- `ModelDrafter`s (layer_skip, draft_model) reserve PLACEHOLDER slots, then draft inside the next
+  step, after scheduling and before the verify forward (`draft`): the drafts stay on the device
+  with q, the processed draft distribution (spec_decode/metadata.py, `ModelDrafts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,7 +21,8 @@ from verispec.config import SpeculativeConfig
 from verispec.device_copy import to_device
 from verispec.models.attention import LayerCache, SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
-from verispec.request import Request
+from verispec.core.request import Request
+from verispec.core.step_types import Drafts
 from verispec.sample.metadata import RowSpec, SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.sampler import sample
@@ -48,44 +52,59 @@ def needs_token_values(req: Request) -> bool:
     )
 
 
-def draft_room(req: Request, k: int, max_model_len: int) -> int:
-    """Drafts a decoding request may carry: never more than it could still emit."""
-    if req.num_tokens - req.num_computed_tokens != 1 or not req.params.speculative:
-        return 0  # still prefilling (nothing to speculate on yet), or the request opted out
-    return max(0, min(req.max_tokens - req.num_output_tokens, max_model_len - req.num_tokens, k))
+class Drafter(Protocol):
+    """What the draft policy (spec_decode/policy.py) asks of every drafter. `drafts_in_step`: a
+    `ModelDrafter`, whose drafts are placeholders until it drafts inside the next step."""
+
+    drafts_in_step: bool
+
+    def propose(self, running: list[Request], rooms: list[int]) -> dict[str, Drafts]:
+        """Drafts for the next step, by request id: at most rooms[i] for running[i] (0: none)."""
+
+    def finish(self, request_id: str) -> None:
+        """The request left the engine (finished, aborted or failed)."""
 
 
 class NgramDrafter:
-    needs_forward = False
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's
+    last n tokens."""
+
+    drafts_in_step = False
 
     def __init__(self, cfg: SpeculativeConfig):
-        self.k = cfg.num_speculative_tokens
         self.n_min, self.n_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
 
-    def propose(self, running: list[Request], max_model_len: int) -> None:
-        for req in running:
-            room = draft_room(req, self.k, max_model_len)
+    def propose(self, running: list[Request], rooms: list[int]) -> dict[str, Drafts]:
+        out = {}
+        for req, room in zip(running, rooms):
             if room:
                 drafts = propose_ngram(req.token_ids, room, self.n_min, self.n_max)
                 if req.grammar is not None:  # only drafts the grammar allows can be verified
                     drafts = drafts[: req.grammar.valid_prefix(drafts)]
-                req.draft_token_ids = drafts
+                out[req.request_id] = Drafts(tuple(drafts))
+        return out
+
+    def finish(self, request_id: str) -> None:
+        pass
 
 
 class ModelDrafter:
-    needs_forward = True
+    """A drafter that runs a model inside the step (layer_skip, draft_model): it reserves
+    placeholders at the end of a step, so the scheduler can budget and allocate them, then drafts
+    after scheduling and before the verify forward (`draft`), and sees the target's every forward
+    (`observe`) to keep its own cache in step."""
+
+    drafts_in_step = True
     num_layers: int | None = None  # layers of the drafting model to run (None: all)
 
-    def __init__(self, cfg: SpeculativeConfig):
-        self.k = cfg.num_speculative_tokens
+    def propose(self, running: list[Request], rooms: list[int]) -> dict[str, Drafts]:
+        # A constrained request is not drafted for: its drafts would appear on the device in
+        # mid-step, and each one's grammar mask would need the host, a sync per draft.
+        return {req.request_id: Drafts((PLACEHOLDER,) * room)
+                for req, room in zip(running, rooms) if room and req.grammar is None}
 
-    def propose(self, running: list[Request], max_model_len: int) -> None:
-        for req in running:
-            # A constrained request is not drafted for: its drafts would appear on the device in
-            # mid-step, and each one's grammar mask would need the host, a sync per draft.
-            room = draft_room(req, self.k, max_model_len) if req.grammar is None else 0
-            if room:
-                req.draft_token_ids = [PLACEHOLDER] * room  # drafted inside the next step
+    def finish(self, request_id: str) -> None:
+        pass
 
     def model_and_cache(self, inputs: DraftInputs) -> tuple[LlamaModel, list[LayerCache]]:
         raise NotImplementedError
@@ -97,7 +116,7 @@ class ModelDrafter:
     def draft(self, inputs: DraftInputs, scheduled) -> dict[str, ModelDrafts]:
         """Drafts for the placeholders of the scheduled requests (the step's `ScheduledRequest`s),
         by request id."""
-        jobs = [s for s in scheduled if s.draft_token_ids]
+        jobs = [s for s in scheduled if s.drafts]
         if not jobs:
             return {}
         model, kv_layers = self.model_and_cache(inputs)

@@ -14,7 +14,6 @@ from verispec.spec_decode.drafter import DraftInputs, ModelDrafter
 
 class LayerSkipDrafter(ModelDrafter):
     def __init__(self, cfg: SpeculativeConfig, num_target_layers: int):
-        super().__init__(cfg)
         if cfg.num_layers > num_target_layers:
             raise ValueError(
                 f"speculative_config.num_layers={cfg.num_layers} exceeds the target's {num_target_layers} layers"

@@ -21,12 +21,12 @@ import torch
 from verispec.device_copy import to_device
 from verispec.sample.logprobs import RequestScoring
 from verispec.sample.metadata import RowSpec, SamplingMetadata
+from verispec.spec_decode.adaptive import survival_scores
 from verispec.spec_decode.rejection import RowDraws
 
 if TYPE_CHECKING:
-    from verispec.request import Request
-    from verispec.engine.step import ScheduledRequest
-    from verispec.spec_decode.adaptive import AdaptivePlan
+    from verispec.core.request import Request
+    from verispec.core.step_types import AdaptivePlan, ScheduledRequest
 
 # A draft whose value only the device knows. Not a token id: fed to the model unreplaced, it fails.
 PLACEHOLDER = -1
@@ -68,7 +68,7 @@ class SpecDecodeMetadata:
         reqs = [s.request for s in sampled]
         model = [drafts.get(r.request_id) for r in reqs]
         # A model's drafts are placeholders on the host; rows read their values on the device.
-        ids = [[PLACEHOLDER] * m.token_ids.shape[0] if m is not None else s.draft_token_ids
+        ids = [[PLACEHOLDER] * m.token_ids.shape[0] if m is not None else list(s.draft_token_ids)
                for s, m in zip(sampled, model)]
         d = [len(x) for x in ids]
         k = max(d)
@@ -96,15 +96,15 @@ class SpecDecodeMetadata:
             first_flat_rows=first_flat_rows,
             draft_token_ids=draft_ids,
             sampling=SamplingMetadata.build(rows, vocab, device),
-            draws=RowDraws.build(per_request, _q_rows(reqs, model, d), vocab, device),
+            draws=RowDraws.build(per_request, _q_rows(sampled, model, d), vocab, device),
             scoring=RequestScoring.build([r.logprobs_mode for r in reqs], [r.params.logprobs for r in reqs],
                                          [r.params.logprob_token_ids for r in reqs], vocab, device),
             fill=fill,
         )
         if plan is not None:
             meta.budget = plan.budget
-            meta.survival, meta.draft_confidence = plan.survival(
-                reqs, d, [m.confidence if m is not None else None for m in model], device)
+            meta.survival, meta.draft_confidence = survival_scores(
+                plan, reqs, d, [m.confidence if m is not None else None for m in model], device)
         return meta
 
     def write_drafts(self, input_ids: torch.Tensor) -> None:
@@ -114,9 +114,9 @@ class SpecDecodeMetadata:
             input_ids[rows] = self.draft_token_ids[req, j]
 
 
-def _q_rows(reqs: list["Request"], model: list[ModelDrafts | None],
+def _q_rows(sampled: list["ScheduledRequest"], model: list[ModelDrafts | None],
             num_drafts: list[int]) -> list[torch.Tensor | list[tuple[list[int], list[float]]] | None]:
     """Each request's q rows: a model drafter's [d, V], on the device already, or a host drafter's
     (token ids, probabilities) per draft (suffix decoding), which stay sparse; None: one-hot."""
-    return [m.probs if m is not None else req.draft_q[:d] if req.draft_q and d else None
-            for req, m, d in zip(reqs, model, num_drafts)]
+    return [m.probs if m is not None else list(s.drafts.q[:d]) if s.drafts.q and d else None
+            for s, m, d in zip(sampled, model, num_drafts)]

@@ -1,4 +1,5 @@
-"""The drafter for a `speculative_config` (one entry per method), and its adaptive controller."""
+"""The draft policy for a `speculative_config`: its drafter (one entry per method) and, with
+adaptive verification, its controller."""
 
 from __future__ import annotations
 
@@ -8,15 +9,23 @@ from verispec.config import EngineConfig, SpeculativeConfig
 from verispec.models.llama import LlamaModel
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 from verispec.spec_decode.draft_model import DraftModelDrafter
-from verispec.spec_decode.drafter import ModelDrafter, NgramDrafter
+from verispec.spec_decode.drafter import Drafter, NgramDrafter
 from verispec.spec_decode.layer_skip import LayerSkipDrafter
+from verispec.spec_decode.policy import DraftPolicy
 from verispec.spec_decode.suffix import SuffixDrafter
 
 logger = logging.getLogger("verispec")
 
 
-def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer,
-                 engine_config: EngineConfig) -> NgramDrafter | SuffixDrafter | ModelDrafter:
+def make_draft_policy(config: EngineConfig, target: LlamaModel, target_tokenizer) -> DraftPolicy:
+    """The engine's draft policy for `config.speculative` (not None), `config.max_model_len` set."""
+    spec = config.speculative
+    drafter = make_drafter(spec, target, target_tokenizer, config)
+    adaptive = make_adaptive(config, target, drafter) if spec.adaptive_verification else None
+    return DraftPolicy(drafter, spec.num_speculative_tokens, config.max_model_len, adaptive)
+
+
+def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, engine_config: EngineConfig) -> Drafter:
     """The drafter of `cfg.method` (validated by SpeculativeConfig: one of SPEC_METHODS)."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
@@ -27,7 +36,7 @@ def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer,
     return DraftModelDrafter(cfg, target, target_tokenizer, engine_config)
 
 
-def make_adaptive(config: EngineConfig, model: LlamaModel, drafter: NgramDrafter | ModelDrafter) -> AdaptiveController:
+def make_adaptive(config: EngineConfig, model: LlamaModel, drafter: Drafter) -> AdaptiveController:
     """Adaptive verification's controller: the cost table given, or profiled on `model` now."""
     spec = config.speculative
     k = spec.num_speculative_tokens
@@ -38,4 +47,4 @@ def make_adaptive(config: EngineConfig, model: LlamaModel, drafter: NgramDrafter
         cost = CostModel.profile(model, config.block_size, most, config.device)
         logger.info("adaptive verification cost table: %s",
                     ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(cost.tokens, cost.seconds)))
-    return AdaptiveController(k, cost, exact_host_scores=not drafter.needs_forward)
+    return AdaptiveController(k, cost, exact_host_scores=not drafter.drafts_in_step)

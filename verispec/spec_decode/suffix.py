@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from verispec.config import SpeculativeConfig
-from verispec.request import Request
-from verispec.spec_decode.drafter import draft_room
+from verispec.core.request import Request
+from verispec.core.step_types import Drafts
 from verispec.spec_decode.suffix_tree import SuffixTree, SuffixTreeUnavailable, suffix_tree_module
 
 @dataclass(slots=True)
@@ -135,25 +135,23 @@ class SuffixCache:
 class SuffixDrafter:
     """Proposes at the end of a step, like prompt lookup, with q for random requests."""
 
-    needs_forward = False
+    drafts_in_step = False
 
     def __init__(self, cfg: SpeculativeConfig):
         try:  # built (once per machine) and loaded at start-up, not in a request's first step
             suffix_tree_module()
         except SuffixTreeUnavailable as exc:
             raise RuntimeError(f"speculative_config method 'suffix' needs its C++ suffix tree: {exc}") from None
-        self.k = cfg.num_speculative_tokens
         self.factor = cfg.suffix_decoding_max_spec_factor
         self.min_prob = cfg.suffix_decoding_min_token_prob
         self.cache = SuffixCache(cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
                                  cfg.suffix_decoding_max_cached_tokens)
 
-    def propose(self, running: list[Request], max_model_len: int) -> None:
-        self._retire()
+    def propose(self, running: list[Request], rooms: list[int]) -> dict[str, Drafts]:
         for req in running:  # every new token first: siblings draft from each other's latest
             self.cache.sync(req)
-        for req in running:
-            room = draft_room(req, self.k, max_model_len)
+        out = {}
+        for req, room in zip(running, rooms):
             if not room:
                 continue
             one_hot = req.params.greedy or req.grammar is not None
@@ -163,13 +161,12 @@ class SuffixDrafter:
             drafts = draft.tokens  # each read of a Draft's field converts it to a new list
             if req.grammar is not None:  # only drafts the grammar allows can be verified
                 drafts = drafts[: req.grammar.valid_prefix(drafts)]
-            req.draft_token_ids = drafts
-            req.draft_confidence = draft.confidence[: len(drafts)]
-            if not one_hot:
-                req.draft_q = list(zip(draft.q_ids, draft.q_probs))
+            n = len(drafts)
+            q = None if one_hot else tuple(zip(draft.q_ids, draft.q_probs))[:n]
+            out[req.request_id] = Drafts(tuple(drafts), q, tuple(draft.confidence[:n]))
+        return out
 
-    def _retire(self) -> None:
-        """Requests that finished since the last step leave the live set (their output is cached)."""
-        done = [rid for rid, req in self.cache.requests.items() if req.is_finished]
-        for rid in done:
-            self.cache.finish(rid)
+    def finish(self, request_id: str) -> None:
+        """A request that left: its output stays in the global tree (if it was ever seen)."""
+        if request_id in self.cache.requests:
+            self.cache.finish(request_id)

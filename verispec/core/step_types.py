@@ -16,9 +16,43 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from verispec.request import Request
+    from verispec.core.request import Request
     from verispec.outputs import LogprobsLists
-    from verispec.spec_decode.adaptive import AdaptivePlan
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """A request's drafts: values, or PLACEHOLDERs (spec_decode/metadata.py) that a model drafter
+    fills inside the step; and a host drafter's extras (suffix decoding): per draft, q as (token
+    ids, probabilities) for a random request's rejection rule, and the confidence adaptive
+    verification ranks the slot by."""
+
+    token_ids: tuple[int, ...] = ()
+    q: "tuple[tuple[list[int], list[float]], ...] | None" = None
+    confidence: "tuple[float, ...] | None" = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def head(self, n: int) -> "Drafts":
+        """The first n drafts (verification is always of a prefix)."""
+        if n >= len(self.token_ids):
+            return self
+        return Drafts(self.token_ids[:n], None if self.q is None else self.q[:n],
+                      None if self.confidence is None else self.confidence[:n])
+
+
+NO_DRAFTS = Drafts()
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptivePlan:
+    """Adaptive verification with a model drafter: how many drafts the device admits, and the
+    calibration it scores the slots with (spec_decode/adaptive.py)."""
+
+    budget: int
+    # [greedy/random][q-peak bucket] acceptance rates, a copy taken when the step was planned.
+    calibration: tuple[tuple[float, ...], ...]
 
 
 @dataclass(slots=True)
@@ -27,24 +61,27 @@ class ScheduledRequest:
     num_new_tokens: int  # known tokens fed to the model this step (chunk, or 1 decode token)
     # True when this step reaches the end of the request's known tokens: its last row is sampled.
     samples: bool
-    # Draft tokens fed after the known ones, to be verified in this same forward (already trimmed
-    # by the adaptive plan: every one of them runs through the forward).
-    draft_token_ids: list[int] = field(default_factory=list)
+    # Drafts fed after the known ones, to be verified in this same forward, as the draft policy
+    # decided them (every one of them runs through the forward).
+    drafts: Drafts = NO_DRAFTS
     # (first position, rows): prompt logprobs of the positions a prefix hit skipped, from the cache.
     cached_prompt_rows: "tuple[int, LogprobsLists] | None" = None
 
     @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.drafts.token_ids
+
+    @property
     def num_scheduled_tokens(self) -> int:
-        return self.num_new_tokens + len(self.draft_token_ids)
+        return self.num_new_tokens + len(self.drafts)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    # Adaptive verification with a model drafter: how many drafts the device admits, and its
-    # calibration table. None: every scheduled draft is verified.
-    plan: "AdaptivePlan | None" = None
+    # Adaptive verification with a model drafter. None: every scheduled draft is verified.
+    plan: AdaptivePlan | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@
 The pool only does accounting (host ints); the tensors live in `KVCacheTensors`. A request's
 block table covers positions [0, len(table) * block_size). Rolling back rejected draft tokens is
 `truncate`, which returns the blocks past the kept length to the pool. The pool also holds the
-prefix cache's block map (hash -> block); what a hash covers is engine/prefix_cache.py's business.
+prefix cache's block map (hash -> block); what a hash covers is core/prefix_cache.py's business.
 """
 
 from __future__ import annotations

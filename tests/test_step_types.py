@@ -1,9 +1,9 @@
-"""A step's I/O records (engine/step.py)."""
+"""A step's I/O records (core/step_types.py)."""
 
 from __future__ import annotations
 
 from test_scheduler import make_request
-from verispec.engine.step import RequestResult, ScheduledRequest, SchedulerOutput, StepResult
+from verispec.core.step_types import RequestResult, ScheduledRequest, SchedulerOutput, StepResult
 from verispec.spec_decode.adaptive import AdaptivePlan
 
 

@@ -13,7 +13,6 @@ from verispec.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from verispec.outputs import LogprobsLists
     from verispec.sample.grammar import RequestGrammar
-    from verispec.spec_decode.adaptive import RequestHistory
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,15 +65,7 @@ class Request:
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     token_sources: list[Any] | None = None  # outputs.TokenSource per output token, when asked for
     num_prompt_logprob_rows: int = 0  # prompt positions whose logprobs are done
-    # Drafts proposed for the next step (verified, never trusted): values, or PLACEHOLDERs
-    # (spec_decode/metadata.py) that a model drafter fills inside the step.
-    draft_token_ids: list[int] = field(default_factory=list)
-    # A host drafter's extras (suffix decoding): per draft, q as (token ids, probabilities) for a
-    # random request's q rule, and the confidence adaptive verification ranks the slot by.
-    draft_q: "list[tuple[list[int], list[float]]] | None" = None
-    draft_confidence: list[float] | None = None
-    spec_history: "RequestHistory | None" = None  # adaptive verification's estimates
-    # Prefix caching (engine/prefix_cache.py): the chain of full-block hashes of token_ids, how
+    # Prefix caching (core/prefix_cache.py): the chain of full-block hashes of token_ids, how
     # many leading blocks of the table are cached, and scored prompt rows whose block is not yet
     # whole. With n > 1, the sibling whose prompt the others wait for, then hit.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -118,6 +109,3 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def clear_drafts(self) -> None:
-        self.draft_token_ids = []
-        self.draft_q = self.draft_confidence = None

@@ -22,7 +22,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 
-from verispec.request import Request
+from verispec.core.request import Request
 
 
 class WaitingQueue:

@@ -6,8 +6,8 @@ import logging
 import traceback
 
 from verispec.distributed.comm import WorkerDiedError
-from verispec.engine.runner import ModelRunner
-from verispec.engine.step import SchedulerOutput, StepResult
+from verispec.worker.runner import ModelRunner
+from verispec.core.step_types import SchedulerOutput, StepResult
 from verispec.sample.grammar import GrammarFailed
 
 logger = logging.getLogger("verispec")

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from verispec.engine.kv_cache import BlockPool
-from verispec.request import Request
+from verispec.core.kv_cache import BlockPool
+from verispec.core.request import Request
 from verispec.outputs import LogprobsLists
 from verispec.sample.prompt_logprobs import prompt_rows_key
 

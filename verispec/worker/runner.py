@@ -15,12 +15,12 @@ import torch
 
 from verispec.config import EngineConfig
 from verispec.device_copy import to_device
-from verispec.engine.kv_cache import BlockPool
-from verispec.engine.step import ScheduledRequest, SchedulerOutput, StepResult
+from verispec.core.kv_cache import BlockPool
+from verispec.core.step_types import ScheduledRequest, SchedulerOutput, StepResult
 from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
 from verispec.outputs import LogprobsTensors
-from verispec.request import Request
+from verispec.core.request import Request
 from verispec.sample.metadata import RowSpec
 from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.spec_decode.drafter import DraftInputs

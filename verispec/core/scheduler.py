@@ -20,23 +20,40 @@ sequence (a fair-share preemption), if it holds more than its share.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
 
-from verispec.engine.kv_cache import BlockPool
-from verispec.engine.prefix_cache import PrefixCache
-from verispec.engine.step import ScheduledRequest, SchedulerOutput, StepResult
-from verispec.engine.waiting import WaitingQueue
-from verispec.request import Request, RequestStatus
-from verispec.spec_decode.metrics import SpecDecodeMetrics
+from verispec.core.kv_cache import BlockPool
+from verispec.core.prefix_cache import PrefixCache
+from verispec.core.request import Request, RequestStatus
+from verispec.core.step_types import AdaptivePlan, Drafts, RequestResult, ScheduledRequest, SchedulerOutput, StepResult
+from verispec.core.waiting import WaitingQueue
 
-if TYPE_CHECKING:
-    from verispec.spec_decode.adaptive import AdaptiveController
+
+class DraftDecider(Protocol):
+    """What the scheduler asks of its draft policy (spec_decode/policy.py, `DraftPolicy`), the one
+    owner of how many drafts each request carries."""
+
+    def propose(self, running: list[Request]) -> None: ...
+
+    def observe_cost(self, num_tokens: int, started: float) -> None: ...
+
+    def num_proposed(self, req: Request) -> int: ...
+
+    def decide(self, scheduled: list[ScheduledRequest], reserved: list[int],
+               allocate: Callable[[ScheduledRequest, int], bool]) -> tuple[list[Drafts], AdaptivePlan | None]: ...
+
+    def observe(self, entry: ScheduledRequest, record: RequestResult) -> None: ...
+
+    def preempted(self, req: Request) -> None: ...
+
+    def finish(self, req: Request) -> None: ...
 
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 spec_metrics: SpecDecodeMetrics | None = None, adaptive: "AdaptiveController | None" = None,
-                 prefix_cache: PrefixCache | None = None):
+                 drafts: DraftDecider | None = None, prefix_cache: PrefixCache | None = None):
         self.pool = pool
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(pool, "", enabled=False)
         self.max_num_seqs = max_num_seqs
@@ -44,8 +61,7 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.spec_metrics = spec_metrics if spec_metrics is not None else SpecDecodeMetrics(0)
-        self.adaptive = adaptive  # decides each step's drafts, and learns from their outcome
+        self.drafts = drafts  # decides each step's drafts and learns from their outcome; None: no speculation
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -59,38 +75,34 @@ class Scheduler:
         self._preempt_for_starved(out, running)
         num_fair = len(out.preempted)
         budget = self.max_num_batched_tokens
+        reserved = []  # budget for each entry's drafts, charged in the running order
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             # Drafts ride along only on a plain decode step, and only as far as the budget allows;
-            # their tokens are charged here, their blocks come once the drafts are decided.
-            spec = req.draft_token_ids[: budget - num_new] if num_new == 1 else []
+            # their tokens are charged here, and the draft policy decides them once the step is known.
+            spec = min(self.drafts.num_proposed(req), budget - num_new) if num_new == 1 and self.drafts else 0
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted; everything after it already was
-            entry = self._entry(req, num_new)
-            entry.draft_token_ids = spec
-            out.scheduled.append(entry)
-            budget -= num_new + len(spec)
+            out.scheduled.append(self._entry(req, num_new))
+            reserved.append(spec)
+            budget -= num_new + spec
             i += 1
         if len(out.preempted) == num_fair:  # a short pool admits nobody new this step
             self._admit(out, budget, running)
-        self._decide_drafts(out)
+        if self.drafts is not None:
+            self._decide_drafts(out, reserved + [0] * (len(out.scheduled) - len(reserved)))
         return out
 
-    def _decide_drafts(self, out: SchedulerOutput) -> None:
-        """The step's one draft decision, on the scheduler's own entries: the adaptive plan trims
-        the drafts to the ones worth verifying, with the whole step in view; then each kept draft
-        gets its block. Drafts never preempt: a request whose drafts do not fit in the pool
-        verifies none this step."""
-        if self.adaptive is not None:
-            out.plan = self.adaptive.plan(out.scheduled)
-        for s in out.scheduled:
-            req = s.request
-            if s.draft_token_ids and not self.pool.allocate(req.request_id, req.num_computed_tokens + s.num_scheduled_tokens):
-                s.draft_token_ids = []
-        if out.plan is not None:  # the device admits at most what is left
-            out.plan.budget = min(out.plan.budget, sum(len(s.draft_token_ids) for s in out.scheduled))
+    def _decide_drafts(self, out: SchedulerOutput, reserved: list[int]) -> None:
+        """The draft policy's one decision on the step's entries, with the whole step in view."""
+        def allocate(entry: ScheduledRequest, num_drafts: int) -> bool:
+            req = entry.request
+            return self.pool.allocate(req.request_id, req.num_computed_tokens + entry.num_new_tokens + num_drafts)
+
+        drafts, out.plan = self.drafts.decide(out.scheduled, reserved, allocate)
+        out.scheduled = [replace(s, drafts=d) if d else s for s, d in zip(out.scheduled, drafts)]
 
     def _preempt_for_starved(self, out: SchedulerOutput, running: Counter[str]) -> None:
         """Fair share: when every slot is taken, each waiting group that runs nothing gets one from
@@ -162,45 +174,48 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.request_id)  # its cached blocks stay cached: it may hit them again
-        req.clear_drafts()
+        if self.drafts is not None:
+            self.drafts.preempted(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, sched: SchedulerOutput, result: StepResult, skip: set[str] = frozenset()) -> None:
+    def update_from_output(self, sched: SchedulerOutput, result: StepResult, skip: set[str] = frozenset(),
+                           started: float | None = None) -> None:
         """Applies one step's progress to its requests (except those in `skip`), once the output
         processor has appended their tokens: the cache now holds the new tokens and the accepted
-        drafts, and blocks that held only rejected drafts go back; the counters and the adaptive
-        controller learn the drafts' outcome; filled blocks and scored prompt rows are cached;
-        finished requests leave."""
+        drafts, and blocks that held only rejected drafts go back; the draft policy learns the
+        drafts' outcome; filled blocks and scored prompt rows are cached; finished requests leave.
+        Then the draft policy proposes the next step's drafts and, given when the step `started`
+        (None: a step that failed, not a measure), learns its cost."""
         for s in sched.scheduled:
             req = s.request
             if req.request_id in skip:
                 continue
             record = result.get(req.request_id)
             req.num_computed_tokens += s.num_new_tokens
-            if s.draft_token_ids:
-                verified, accepted = record.num_verified, record.num_accepted
-                self.spec_metrics.observe(verified, accepted)
-                if self.adaptive is not None:
-                    # q peaks: a model drafter's come back with the step; a host drafter's are known.
-                    peaks = record.draft_confidence if record.draft_confidence is not None else req.draft_confidence
-                    self.adaptive.observe(req, verified, accepted, peaks)
-                req.num_computed_tokens += accepted
+            if s.drafts:
+                self.drafts.observe(s, record)
+                req.num_computed_tokens += record.num_accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
-            req.clear_drafts()
             # After the tokens: accepted drafts are computed, and now in token_ids too.
             self.prefix_cache.cache_computed(req)
             if record is not None and record.prompt_logprobs is not None:
                 self.prefix_cache.cache_prompt_rows(req, *record.prompt_logprobs)
             if req.is_finished:
                 self.finish(req)
+        if self.drafts is not None:
+            self.drafts.propose(self.running)
+            if started is not None:
+                self.drafts.observe_cost(sched.num_tokens, started)
 
     def finish(self, req: Request) -> None:
-        """Removes a finished or aborted request and returns its blocks."""
+        """Removes a finished or aborted request, returns its blocks and tells the draft policy."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pool.free(req.request_id)
+        if self.drafts is not None:
+            self.drafts.finish(req)

@@ -1,4 +1,4 @@
-"""The engine core's loop body (verispec/engine/core.py), driven in-process without sockets: inputs
+"""The engine core's loop body (verispec/engine/core_process.py), driven in-process without sockets: inputs
 that cannot be decoded or encoded fail only the request they name, groups reach every child, and
 `DeltaTracker` turns cumulative outputs into deltas that hold back a possible stop string's start
 (checked against hand-built `RequestOutput`s)."""
@@ -9,7 +9,7 @@ import msgspec
 
 from test_core_client import GOOD
 from verispec import LLM, SamplingParams
-from verispec.engine.core import DeltaTracker, EngineCore, logprob_row, params_to_wire
+from verispec.engine.core_process import DeltaTracker, EngineCore, logprob_row, params_to_wire
 from verispec.engine.core_protocol import AddRequest, AddRequests, CompletionDelta, CoreOutputs, RequestDelta
 from verispec.outputs import CompletionOutput, Logprob, RequestOutput
 
