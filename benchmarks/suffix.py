@@ -121,7 +121,7 @@ def _one_run(llm_class, spec, options, rows: dict[str, SuffixRow], quick: bool, 
     llm = llm_class(speculative_config=spec, **options)
     llm.generate(["Warm up: count to five."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     current: list = [None]
-    drafter = llm.engine.drafter
+    drafter = llm.engine.drafts.drafter
     if drafter is not None:
         _timed_propose(drafter, current)
     outputs = _measure(llm, rows, quick, max_tokens, current)

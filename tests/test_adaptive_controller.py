@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_entries import entry, uniform_history
-from verispec.spec_decode.adaptive import GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel
+from adaptive_entries import entry, plan_counts_of, uniform_history
+from verispec.spec_decode.adaptive import GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, q_bucket
+
+
+def calibrated(ctl: AdaptiveController, q: float, greedy: bool) -> float:
+    return ctl.calibration[0 if greedy else 1][q_bucket(q)]
 
 
 def test_a_calibration_bucket_averages_its_first_outcomes_with_the_prior_then_moves_as_an_ema():
@@ -18,18 +22,18 @@ def test_a_calibration_bucket_averages_its_first_outcomes_with_the_prior_then_mo
     from verispec.spec_decode import adaptive as adaptive_mod
 
     ctl = AdaptiveController(4, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=True)
-    req = SimpleNamespace(params=SimpleNamespace(greedy=False), spec_history=None)
+    req = SimpleNamespace(request_id="r", params=SimpleNamespace(greedy=False))
     outcomes = [1, 0, 0, 1, 0, 0, 0, 1, 0, 0]  # 30 % of first drafts land, in bucket 0.5
     for accepted in outcomes:
         ctl.observe(req, 1, accepted, [0.55])
     w = adaptive_mod.PRIOR_WEIGHT
-    assert ctl.calibrated(0.55, greedy=False) == pytest.approx((w * PRIOR_CONFIDENCE + sum(outcomes)) / (w + len(outcomes)))
-    assert ctl.calibrated(0.55, greedy=True) == PRIOR_CONFIDENCE  # greedy requests keep their own table
+    assert calibrated(ctl, 0.55, greedy=False) == pytest.approx((w * PRIOR_CONFIDENCE + sum(outcomes)) / (w + len(outcomes)))
+    assert calibrated(ctl, 0.55, greedy=True) == PRIOR_CONFIDENCE  # greedy requests keep their own table
     for _ in range(200):  # an old bucket: each outcome moves it by GLOBAL_EMA of the gap
         ctl.observe(req, 1, 0, [0.55])
-    before = ctl.calibrated(0.55, greedy=False)
+    before = calibrated(ctl, 0.55, greedy=False)
     ctl.observe(req, 1, 1, [0.55])
-    assert ctl.calibrated(0.55, greedy=False) == pytest.approx(before + GLOBAL_EMA * (1 - before))
+    assert calibrated(ctl, 0.55, greedy=False) == pytest.approx(before + GLOBAL_EMA * (1 - before))
 
 
 def test_a_drafts_calibrated_survival_is_the_running_product_of_its_buckets():
@@ -37,14 +41,14 @@ def test_a_drafts_calibrated_survival_is_the_running_product_of_its_buckets():
     from types import SimpleNamespace
 
     ctl = AdaptiveController(8, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=True)
-    req = SimpleNamespace(params=SimpleNamespace(greedy=False), spec_history=None)
+    req = SimpleNamespace(request_id="r", params=SimpleNamespace(greedy=False))
     for accepted, peak in [(1, 0.55), (0, 0.95), (0, 0.0), (1, 0.3), (0, 0.98)]:
         ctl.observe(req, 1, accepted, [peak])
     peaks = [1.0, 0.98, 0.95, 0.55, 0.5, 0.3, 0.01, 0.0]
     for greedy in (False, True):
         expected, running = [], 1.0
         for peak in peaks:
-            running *= ctl.calibrated(peak, greedy)
+            running *= calibrated(ctl, peak, greedy)
             expected.append(running)
         assert ctl.calibrated_survival(peaks, greedy) == pytest.approx(expected, rel=1e-15)
     assert ctl.calibrated_survival([], greedy=False) == []
@@ -62,9 +66,8 @@ def test_a_streak_of_refused_steps_spaces_out_the_drafters_proposals_and_one_adm
     def step(score: float) -> list[int]:
         entries = [entry(f"r{i}", [7, 8]) for i in range(4)]
         for e in entries:
-            e.request.spec_history = uniform_history(ctl, score)
-        ctl.plan(entries)
-        return [len(e.draft_token_ids) for e in entries]
+            uniform_history(ctl, e, score)
+        return plan_counts_of(ctl, entries)
 
     def proposals(steps: int) -> list[bool]:
         out = []

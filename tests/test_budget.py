@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from adaptive_entries import entry, uniform_history
+from adaptive_entries import entry, plan_counts_of, uniform_history
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel, admission_order
 from verispec.spec_decode.budget import Groups, best_prefix, completion_gains
 
@@ -142,9 +142,8 @@ def test_requests_alone_gain_their_scores_as_the_tokens_per_second_objective(sco
 def plan_counts(entries, score: float, cost: CostModel) -> list[int]:
     ctl = AdaptiveController(4, cost, exact_host_scores=True)
     for e in entries:
-        e.request.spec_history = uniform_history(ctl, score)
-    ctl.plan(entries)
-    return [len(e.draft_token_ids) for e in entries]
+        uniform_history(ctl, e, score)
+    return plan_counts_of(ctl, entries)
 
 
 def test_rollouts_of_one_prompt_verify_what_moves_their_slowest_and_requests_alone_what_pays_each():

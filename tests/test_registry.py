@@ -17,7 +17,7 @@ def test_the_registry_builds_each_methods_drafter():
     target = SimpleNamespace(cfg=SimpleNamespace(num_layers=4))
     assert isinstance(make_drafter(SpeculativeConfig(), target, None, None), NgramDrafter)
     skip = make_drafter(SpeculativeConfig(method="layer_skip", num_layers=2), target, None, None)
-    assert isinstance(skip, LayerSkipDrafter) and skip.num_layers == 2 and skip.needs_forward
+    assert isinstance(skip, LayerSkipDrafter) and skip.num_layers == 2 and skip.drafts_in_step
 
 
 def test_layer_skip_is_checked_against_the_targets_own_layer_count():

@@ -4,14 +4,27 @@ fairness between groups (the client requests engine requests belong to)."""
 from __future__ import annotations
 
 from verispec import SamplingParams
-from verispec.config import LogprobsMode
+from verispec.config import LogprobsMode, SpeculativeConfig
 from verispec.core.kv_cache import BlockPool
 from verispec.core.request import Request, RequestStatus
 from verispec.core.scheduler import Scheduler
-from verispec.core.step_types import RequestResult, SchedulerOutput, StepResult
+from verispec.core.step_types import Drafts, RequestResult, SchedulerOutput, StepResult
 from verispec.sample.noise import RequestNoise
+from verispec.spec_decode.drafter import NgramDrafter
+from verispec.spec_decode.policy import DraftPolicy
 
 BLOCK = 4
+
+
+def drafting(pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, adaptive=None, k: int = 5) -> Scheduler:
+    """A scheduler with a draft policy whose proposals the test sets (`offer`)."""
+    policy = DraftPolicy(NgramDrafter(SpeculativeConfig(num_speculative_tokens=k)), k, 1000, adaptive)
+    return Scheduler(pool, max_num_seqs, max_num_batched_tokens, policy)
+
+
+def offer(sched: Scheduler, req: Request, ids: list[int]) -> None:
+    """The drafts the request has on offer for the next step, as a drafter would have proposed."""
+    sched.drafts._proposed[req.request_id] = Drafts(tuple(ids))
 
 
 def make_request(rid: str, prompt_len: int, group: str | None = None) -> Request:
@@ -36,7 +49,7 @@ def apply(out: SchedulerOutput) -> SchedulerOutput:
 
 def scheduled(out: SchedulerOutput) -> dict[str, tuple[int, bool, list[int]]]:
     """rid -> (new tokens, samples, drafts), in the order the step scheduled them."""
-    return {s.request.request_id: (s.num_new_tokens, s.samples, s.draft_token_ids) for s in out.scheduled}
+    return {s.request.request_id: (s.num_new_tokens, s.samples, list(s.draft_token_ids)) for s in out.scheduled}
 
 
 def finish(sched: Scheduler, req: Request) -> None:
@@ -64,13 +77,13 @@ def test_admission_stops_at_max_num_seqs():
 
 
 def test_drafts_ride_on_decode_steps_only_and_within_the_budget():
-    sched = Scheduler(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=4)
+    sched = drafting(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=4)
     a = make_request("a", 6)
-    a.draft_token_ids = [9, 9, 9]
+    offer(sched, a, [9, 9, 9])
     sched.add(a)
     assert run_step(sched)["a"] == (4, False, [])  # prefill: no drafts
     assert run_step(sched)["a"] == (2, True, [])
-    a.draft_token_ids = [7, 8, 9, 10, 11]
+    offer(sched, a, [7, 8, 9, 10, 11])
     assert run_step(sched)["a"] == (1, True, [7, 8, 9])  # 1 + 3 drafts fill the budget of 4
 
 
@@ -95,19 +108,19 @@ def test_a_short_pool_preempts_the_latest_admitted_and_admits_nobody():
 
 def test_drafts_never_preempt_a_request_that_fits_without_them():
     pool = BlockPool(6, BLOCK)  # 24 token slots
-    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
+    sched = drafting(pool, max_num_seqs=8, max_num_batched_tokens=100)
     a, b = make_request("a", 8), make_request("b", 8)
     for r in (a, b):
         sched.add(r)
     run_step(sched)  # 2 blocks each; their 9th tokens take the last two free blocks
-    a.draft_token_ids = [5, 6, 7, 8]  # 9 + 4 tokens: a fourth block, which only b's could give
+    offer(sched, a, [5, 6, 7, 8])  # 9 + 4 tokens: a fourth block, which only b's could give
     out = sched.schedule()
     assert out.preempted == [] and scheduled(out) == {"a": (1, True, []), "b": (1, True, [])}
     assert pool.num_free_blocks == 0 and len(pool.table("a")) == len(pool.table("b")) == 3
     # With room, the same drafts get their blocks in the same schedule.
     sched.finish(b)
     apply(out)
-    a.draft_token_ids = [5, 6, 7, 8]
+    offer(sched, a, [5, 6, 7, 8])
     assert scheduled(sched.schedule())["a"] == (1, True, [5, 6, 7, 8]) and len(pool.table("a")) == 4
 
 
@@ -117,10 +130,9 @@ def step_result(rid: str, **fields) -> StepResult:
 
 def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     from verispec.engine.output_processor import OutputProcessor
-    from verispec.spec_decode.metrics import SpecDecodeMetrics
 
     pool = BlockPool(16, BLOCK)
-    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100, spec_metrics=SpecDecodeMetrics(3))
+    sched = drafting(pool, max_num_seqs=8, max_num_batched_tokens=100, k=3)
     output = OutputProcessor(None, max_model_len=1000)
     a = make_request("a", 6)
     sched.add(a)
@@ -133,38 +145,52 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     step = sched.schedule()
     assert step_through(step, step_result("a", sampled=[50])) == [a]
     assert a.num_computed_tokens == 6 and a.output_token_ids == [50]
-    a.draft_token_ids = [60, 61, 62]
+    offer(sched, a, [60, 61, 62])
     step = sched.schedule()  # 1 new token + 3 drafts: 10 tokens, 3 blocks
     assert len(pool.table("a")) == 3
     step_through(step, step_result("a", sampled=[60, 70], num_verified=3, num_accepted=1))
     # The cache keeps 6 + 1 + the accepted draft; the block that held only rejected drafts goes back.
     assert a.num_computed_tokens == 8 and len(pool.table("a")) == 2
-    assert a.output_token_ids == [50, 60, 70] and a.draft_token_ids == []
-    assert sched.spec_metrics.accepted_per_position == [1, 0, 0]
-    assert (sched.spec_metrics.num_drafts, sched.spec_metrics.num_draft_tokens) == (1, 3)
+    assert a.output_token_ids == [50, 60, 70]
+    metrics = sched.drafts.metrics
+    assert metrics.accepted_per_position == [1, 0, 0] and (metrics.num_drafts, metrics.num_draft_tokens) == (1, 3)
     skipped = sched.schedule()
     assert step_through(skipped, step_result("a", sampled=[80]), skip={"a"}) == []
     assert a.output_token_ids == [50, 60, 70]  # a skipped request takes nothing from the step
 
 
-def test_the_adaptive_plan_is_made_in_schedule_and_trims_the_schedulers_own_entries():
-    """The one draft decision of a step: made once, by the scheduler, before the runner sees it."""
+def test_the_adaptive_plan_is_made_in_schedule_and_decides_the_steps_drafts():
+    """The one draft decision of a step: made once, while scheduling, before the runner sees it."""
     from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 
     pool = BlockPool(64, BLOCK)
     # A cost table where a verify row costs as much as a token it may save: a draft at a
     # confidence below 1 never pays, so the plan keeps none of them.
     adaptive = AdaptiveController(3, CostModel([1, 8], [1.0, 8.0]), exact_host_scores=True)
-    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100, adaptive=adaptive)
+    sched = drafting(pool, max_num_seqs=8, max_num_batched_tokens=100, adaptive=adaptive, k=3)
     a = make_request("a", 6)
     sched.add(a)
     sched.update_from_output(sched.schedule(), StepResult())
     a.token_ids.append(50)
-    a.draft_token_ids = [60, 61, 62]
+    offer(sched, a, [60, 61, 62])
     step = sched.schedule()
     assert step.plan is None  # prompt lookup: the trim is the admission, nothing for the device
-    assert step.scheduled[0].draft_token_ids == [] and a.draft_token_ids == [60, 61, 62]
+    assert step.scheduled[0].draft_token_ids == ()
     assert step.num_tokens == 1 and adaptive.stats.num_steps == 1
+    assert sched.drafts.num_proposed(a) == 0  # a scheduled request's proposal is used up
+
+
+def test_the_draft_policy_hears_of_every_request_that_leaves():
+    sched = drafting(BlockPool(64, BLOCK), max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = make_request("a", 6), make_request("b", 6)
+    for r in (a, b):
+        sched.add(r)
+    run_step(sched)
+    offer(sched, a, [1, 2])
+    offer(sched, b, [3])
+    finish(sched, a)
+    sched._preempt(sched.running.pop())  # b
+    assert sched.drafts.num_proposed(a) == sched.drafts.num_proposed(b) == 0
 
 
 # ------------------------------------------------------------------ fairness between groups

@@ -8,7 +8,7 @@ import torch
 
 from verispec.config import LogprobsMode
 from verispec.core.request import Request
-from verispec.core.step_types import ScheduledRequest
+from verispec.core.step_types import Drafts, ScheduledRequest
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts, SpecDecodeMetadata
@@ -32,8 +32,8 @@ def test_layout_of_plain_host_and_device_drafts():
     """Three sampled requests: no drafts, host drafts (ngram) and device drafts (a model drafter),
     laid out as 1, 3 and 4 candidate rows; the device values replace the placeholders."""
     a, b, c = request("a", [1, 2]), request("b", [3]), request("c", [4, 5, 6])
-    sampled = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True, [7, 8]),
-               ScheduledRequest(c, 1, True, [PLACEHOLDER] * 3)]
+    sampled = [ScheduledRequest(a, 1, True), ScheduledRequest(b, 1, True, Drafts((7, 8))),
+               ScheduledRequest(c, 1, True, Drafts((PLACEHOLDER,) * 3))]
     meta = SpecDecodeMetadata.build(sampled, [0, 1, 4], {"c": model_drafts([9, 10, 11])}, None, VOCAB, CPU)
     assert meta.num_draft_tokens == [0, 2, 3] and len(meta.rows) == 8
     assert meta.host_draft_ids == [[], [7, 8], [-1, -1, -1]]
@@ -61,8 +61,8 @@ def test_q_draws_only_on_the_draft_rows_of_random_requests():
     for a greedy request, not for one-hot drafts."""
     hot, greedy, ngram = (request("r", [1], SamplingParams(temperature=1.0, seed=1)), request("g", [1]),
                           request("n", [1], SamplingParams(temperature=1.0, seed=2)))
-    sampled = [ScheduledRequest(hot, 1, True, [PLACEHOLDER] * 2), ScheduledRequest(greedy, 1, True, [PLACEHOLDER]),
-               ScheduledRequest(ngram, 1, True, [5])]
+    sampled = [ScheduledRequest(hot, 1, True, Drafts((PLACEHOLDER,) * 2)), ScheduledRequest(greedy, 1, True, Drafts((PLACEHOLDER,))),
+               ScheduledRequest(ngram, 1, True, Drafts((5,)))]
     drafts = {"r": model_drafts([3, 4]), "g": model_drafts([6])}
     meta = SpecDecodeMetadata.build(sampled, [0, 3, 5], drafts, None, VOCAB, CPU)
     assert meta.draws.uses_q.tolist() == [True, True, False, False, False, False, False]
@@ -79,8 +79,8 @@ def test_a_host_drafters_q_stays_sparse_with_empty_rows_elsewhere():
     from verispec.spec_decode.rejection import SparseQ
 
     hot, ngram = request("h", [1], SamplingParams(temperature=1.0, seed=1)), request("n", [1], SamplingParams(temperature=1.0, seed=2))
-    hot.draft_q = [([3, 9], [0.75, 0.25]), ([4], [1.0])]
-    sampled = [ScheduledRequest(hot, 1, True, [3, 4]), ScheduledRequest(ngram, 1, True, [5])]
+    q_pairs = (([3, 9], [0.75, 0.25]), ([4], [1.0]))
+    sampled = [ScheduledRequest(hot, 1, True, Drafts((3, 4), q_pairs)), ScheduledRequest(ngram, 1, True, Drafts((5,)))]
     meta = SpecDecodeMetadata.build(sampled, [0, 3], {}, None, VOCAB, CPU)
     q = meta.draws.q
     assert isinstance(q, SparseQ) and q.ids.shape == (5, 2)
@@ -88,6 +88,6 @@ def test_a_host_drafters_q_stays_sparse_with_empty_rows_elsewhere():
     assert (q.dense(VOCAB)[2:] == 0).all()  # the bonus row and the one-hot request
     assert meta.draws.uses_q.tolist() == [True, True, False, False, False]
     model = request("m", [1], SamplingParams(temperature=1.0, seed=3))
-    sampled.append(ScheduledRequest(model, 1, True, [PLACEHOLDER]))
+    sampled.append(ScheduledRequest(model, 1, True, Drafts((PLACEHOLDER,))))
     mixed = SpecDecodeMetadata.build(sampled, [0, 3, 5], {"m": model_drafts([6])}, None, VOCAB, CPU).draws.q
     assert torch.equal(mixed[:5], q.dense(VOCAB)) and torch.allclose(mixed[5], torch.full((VOCAB,), 1.0 / VOCAB))

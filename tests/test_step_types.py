@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from test_scheduler import make_request
-from verispec.core.step_types import RequestResult, ScheduledRequest, SchedulerOutput, StepResult
-from verispec.spec_decode.adaptive import AdaptivePlan
+from verispec.core.step_types import AdaptivePlan, Drafts, RequestResult, ScheduledRequest, SchedulerOutput, StepResult
 
 
 def test_a_step_cut_to_one_request_keeps_its_decisions_and_caps_the_budget():
     a, b = make_request("a", 3), make_request("b", 3)
-    sa, sb = ScheduledRequest(a, 1, True, [5, 6, 7]), ScheduledRequest(b, 1, True, [8])
-    plan = AdaptivePlan(3, [[0.5], [0.5]])
+    sa, sb = ScheduledRequest(a, 1, True, Drafts((5, 6, 7))), ScheduledRequest(b, 1, True, Drafts((8,)))
+    plan = AdaptivePlan(3, ((0.5,), (0.5,)))
     out = SchedulerOutput([sa, sb], plan=plan)
     assert out.num_tokens == 6
     solo = out.only(sb)

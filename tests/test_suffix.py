@@ -13,6 +13,7 @@ from test_spec_decode import assert_same_logprobs, repetitive_prompts, run_with_
 from verispec import LLM, SamplingParams
 from verispec.config import SpeculativeConfig
 from verispec.core.request import RequestStatus
+from verispec.spec_decode.policy import draft_room
 from verispec.spec_decode.suffix import SuffixCache, SuffixDrafter
 
 
@@ -25,6 +26,13 @@ def suffix_config(**kw) -> SpeculativeConfig:
 def with_params(req, **kw):
     req.params = replace(req.params, **kw)
     return req
+
+
+def propose(drafter: SuffixDrafter, reqs) -> dict[str, list[int]]:
+    """What the drafter proposes for `reqs`, each with the room the draft policy would give it
+    (24 drafts, a context of 100), by request id (absent: no draft); its Drafts in `propose.last`."""
+    propose.last = drafter.propose(reqs, [draft_room(r, 24, 100) for r in reqs])
+    return {rid: list(d.token_ids) for rid, d in propose.last.items()}
 
 
 def grow(req, tokens: list[int]) -> None:
@@ -54,22 +62,22 @@ def test_bad_values_are_refused_naming_the_field(field, value):
 def test_a_request_drafts_from_its_own_prompt_greedily_with_confidences():
     drafter = SuffixDrafter(suffix_config())
     req = with_params(decoding("r", [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 9, 4, 5], pending=6), temperature=0.0)
-    drafter.propose([req], max_model_len=100)
-    assert req.draft_token_ids[:4] == [7, 8, 9, 4]
-    assert req.draft_q is None  # greedy: one-hot, the most frequent path
-    assert len(req.draft_confidence) == len(req.draft_token_ids) and all(0 < c <= 1 for c in req.draft_confidence)
+    assert propose(drafter, [req])["r"][:4] == [7, 8, 9, 4]
+    drafts = propose.last["r"]
+    assert drafts.q is None  # greedy: one-hot, the most frequent path
+    assert len(drafts.confidence) == len(drafts) and all(0 < c <= 1 for c in drafts.confidence)
 
 
 def test_a_random_request_draws_with_its_noise_and_carries_q():
     drafter = SuffixDrafter(suffix_config(suffix_decoding_min_token_prob=0.0))
     prompt = [1, 2, 7, 1, 2, 7, 1, 2, 9, 1]
     req = with_params(decoding("r", prompt, pending=2), temperature=1.0, seed=5)
-    drafter.propose([req], max_model_len=100)
-    ids, probs = req.draft_q[0]
+    drawn = propose(drafter, [req])["r"]
+    ids, probs = propose.last["r"].q[0]
     assert sorted(zip(ids, probs)) == [(7, 2 / 3), (9, 1 / 3)]
     again = with_params(decoding("s", prompt, pending=2), temperature=1.0, seed=5)
-    SuffixDrafter(suffix_config(suffix_decoding_min_token_prob=0.0)).propose([again], max_model_len=100)
-    assert again.draft_token_ids == req.draft_token_ids  # keyed noise: the same draw
+    other = SuffixDrafter(suffix_config(suffix_decoding_min_token_prob=0.0))
+    assert propose(other, [again])["s"] == drawn  # keyed noise: the same draw
 
 
 def test_siblings_draft_from_each_others_tokens_as_soon_as_they_are_emitted():
@@ -78,10 +86,9 @@ def test_siblings_draft_from_each_others_tokens_as_soon_as_they_are_emitted():
     first, second = decoding("a#0", prompt, pending=60), decoding("a#1", prompt, pending=60)
     for req in (first, second):
         with_params(req, temperature=0.0)
-    drafter.propose([first, second], max_model_len=100)
+    propose(drafter, [first, second])
     grow(first, [61, 62, 63, 64, 65])
-    drafter.propose([first, second], max_model_len=100)
-    assert second.draft_token_ids[:5] == [61, 62, 63, 64, 65]  # the sibling's output, one step old
+    assert propose(drafter, [first, second])["a#1"][:5] == [61, 62, 63, 64, 65]  # the sibling's output, one step old
 
 
 def test_a_salted_request_never_drafts_another_salts_tokens():
@@ -92,12 +99,11 @@ def test_a_salted_request_never_drafts_another_salts_tokens():
     other = with_params(decoding("other", prompt, pending=60), temperature=0.0, cache_salt="tenant-b")
     plain = with_params(decoding("plain", prompt, pending=60), temperature=0.0)
     grow(owner, [61, 62, 63, 64, 65])
-    drafter.propose([owner, same, other, plain], max_model_len=100)
-    assert same.draft_token_ids[:5] == [61, 62, 63, 64, 65]
-    assert other.draft_token_ids == [] and plain.draft_token_ids == []
+    proposed = propose(drafter, [owner, same, other, plain])
+    assert proposed["same"][:5] == [61, 62, 63, 64, 65] and "other" not in proposed and "plain" not in proposed
     owner.status = RequestStatus.FINISHED_STOPPED  # cached after it finishes: still its salt's only
-    drafter.propose([other, plain], max_model_len=100)
-    assert other.draft_token_ids == [] and plain.draft_token_ids == []
+    drafter.finish("owner")
+    assert propose(drafter, [other, plain]) == {}
     assert set(drafter.cache.global_trees) == {"tenant-a", "tenant-b", ""}
 
 
@@ -131,8 +137,7 @@ def test_no_global_tree_when_nothing_is_cached():
     drafter = SuffixDrafter(suffix_config(suffix_decoding_max_cached_requests=0))
     a, b = decoding("a", [5, 6], pending=7), decoding("b", [5, 6], pending=7)
     grow(a, [8, 9, 10])
-    drafter.propose([a, b], max_model_len=100)
-    assert drafter.cache.global_trees == {} and b.draft_token_ids == []
+    assert "b" not in propose(drafter, [a, b]) and drafter.cache.global_trees == {}
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -191,6 +196,6 @@ def test_a_step_that_does_not_draft_still_retires_finished_requests(tiny_llama):
     llm = LLM(tiny_llama, speculative_config=spec)  # a draft row costs 0.16 s: none ever pays
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     llm.generate(repetitive_prompts(4, seed=5), params, use_tqdm=False)
-    cache = llm.engine.drafter.cache
-    assert llm.engine.adaptive.refused > 2 * REFUSAL_STREAK and llm.stats()["num_drafts"] == 0
+    cache = llm.engine.drafts.drafter.cache
+    assert llm.engine.drafts.adaptive.refused > 2 * REFUSAL_STREAK and llm.stats()["num_drafts"] == 0
     assert cache.live == {} and cache.requests == {} and cache.stats().cached_requests == 4
