@@ -65,11 +65,12 @@ def _timed_propose(drafter, row_ref: list) -> None:
     """Counts the drafter's host time into the row being measured (`row_ref[0]`)."""
     propose = drafter.propose
 
-    def timed(running, max_model_len):
+    def timed(running, rooms):
         start = time.perf_counter()
-        propose(running, max_model_len)
+        proposed = propose(running, rooms)
         if row_ref[0] is not None:
             row_ref[0].drafter_s += time.perf_counter() - start
+        return proposed
     drafter.propose = timed
 
 
@@ -121,7 +122,7 @@ def _one_run(llm_class, spec, options, rows: dict[str, SuffixRow], quick: bool, 
     llm = llm_class(speculative_config=spec, **options)
     llm.generate(["Warm up: count to five."], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     current: list = [None]
-    drafter = llm.engine.drafts.drafter
+    drafter = llm.engine.drafts.drafter if llm.engine.drafts is not None else None
     if drafter is not None:
         _timed_propose(drafter, current)
     outputs = _measure(llm, rows, quick, max_tokens, current)
