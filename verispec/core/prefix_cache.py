@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -114,6 +114,17 @@ class PromptRowCache:
             del self._by_hash[full[0]]
 
 
+@dataclass(slots=True)
+class _Progress:
+    """A request's place in the cache, kept from its first admission until it finishes (a
+    preempted request keeps its hashes)."""
+
+    block_hashes: list[bytes] = field(default_factory=list)  # the chain of its full blocks' hashes
+    num_cached_blocks: int = 0  # leading blocks of its table that are cached
+    epoch: int = 0  # the cache's epoch at admission (a reset ends it)
+    pending_rows: tuple[int, LogprobsLists] | None = None  # scored prompt rows of a block not yet whole
+
+
 class PrefixCache:
     """Finds a waiting request's cached prefix, caches blocks as requests fill them, and keeps
     the prompt rows scored over cached blocks. Disabled, it finds nothing and caches nothing."""
@@ -130,11 +141,22 @@ class PrefixCache:
         # Bumped by reset: requests admitted before it never cache again (their KV may predate
         # a weight update, and attention carries it into every later block).
         self.epoch = 0
+        self._progress: dict[str, _Progress] = {}
+
+    def finish(self, request_id: str) -> None:
+        """The request left the engine: its progress goes (its cached blocks stay)."""
+        self._progress.pop(request_id, None)
+
+    def _of(self, req: Request) -> _Progress:
+        progress = self._progress.get(req.request_id)
+        if progress is None:
+            progress = self._progress[req.request_id] = _Progress()
+        return progress
 
     # ------------------------------------------------------------------ hashes
     def block_hashes(self, req: Request) -> list[bytes]:
         """The request's chain of full-block hashes, extended to its current tokens."""
-        hashes, size = req.block_hashes, self.pool.block_size
+        hashes, size = self._of(req).block_hashes, self.pool.block_size
         if len(hashes) < len(req.token_ids) // size:
             parent = hashes[-1] if hashes else self._salted_root(req.params.cache_salt)
             for b in range(len(hashes), len(req.token_ids) // size):
@@ -154,7 +176,7 @@ class PrefixCache:
         # The last token is always computed: its row is sampled.
         blocks = self.pool.lookup(hashes[: (req.num_tokens - 1) // self.pool.block_size])
         rows = None
-        if req.prompt_logprobs is not None:
+        if req.scores_prompt:
             blocks, rows = self._with_prompt_rows(req, blocks, hashes)
         return PrefixHit(blocks, len(blocks) * self.pool.block_size, rows)
 
@@ -176,12 +198,10 @@ class PrefixCache:
 
     def admitted(self, req: Request, hit: PrefixHit) -> None:
         """Sets the request's cache state on (re)admission: what a preemption left is stale."""
-        req.num_computed_tokens = hit.num_tokens
-        req.num_cached_blocks = len(hit.blocks)
-        req.pending_prompt_rows = None
-        req.cache_epoch = self.epoch
         if not self.enabled:
             return
+        progress = self._of(req)
+        progress.num_cached_blocks, progress.pending_rows, progress.epoch = len(hit.blocks), None, self.epoch
         self.num_queries += req.num_tokens
         self.num_hits += hit.num_tokens
         if hit.prompt_rows is not None:
@@ -190,20 +210,20 @@ class PrefixCache:
     # ------------------------------------------------------------------ after a step
     def cache_computed(self, req: Request) -> None:
         """Caches the request's blocks that are now full of computed tokens."""
-        if not self.enabled or req.cache_epoch != self.epoch:
+        if not self.enabled or (progress := self._of(req)).epoch != self.epoch:
             return
         full = min(req.num_computed_tokens, req.num_tokens) // self.pool.block_size
-        if full > req.num_cached_blocks:
+        if full > progress.num_cached_blocks:
             hashes = self.block_hashes(req)
-            self.pool.register(req.request_id, req.num_cached_blocks, hashes[req.num_cached_blocks : full])
-            req.num_cached_blocks = full
+            self.pool.register(req.request_id, progress.num_cached_blocks, hashes[progress.num_cached_blocks : full])
+            progress.num_cached_blocks = full
 
     def cache_prompt_rows(self, req: Request, first: int, rows: LogprobsLists) -> None:
         """Keeps the rows of every cached block whose positions are now all scored; rows of a block
         still partly unscored wait on the request."""
-        if not self.enabled or not self.rows.budget_bytes or req.cache_epoch != self.epoch:
+        if not self.enabled or not self.rows.budget_bytes or (progress := self._of(req)).epoch != self.epoch:
             return
-        pending = req.pending_prompt_rows
+        pending = progress.pending_rows
         if pending is not None and pending[0] + len(pending[1]) == first:
             first, rows = pending[0], LogprobsLists.cat([pending[1], rows])
         size, end, last = self.pool.block_size, first + len(rows), req.num_prompt_tokens - 1
@@ -218,7 +238,7 @@ class PrefixCache:
             b += 1
         rest = max(b * size, first)
         completes = rest < end and (b + 1) * size <= last  # a later chunk can still complete block b
-        req.pending_prompt_rows = (rest, rows.rows(rest - first)) if completes else None
+        progress.pending_rows = (rest, rows.rows(rest - first)) if completes else None
 
     # ------------------------------------------------------------------ whole cache
     def reset(self) -> None:

@@ -11,7 +11,6 @@ from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from verispec.outputs import LogprobsLists
     from verispec.sample.grammar import RequestGrammar
 
 
@@ -55,23 +54,13 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    # Output side, filled by the output processor.
-    output_text: str = ""
-    detok: Any = None  # output_processor.IncrementalText, once a token has been decoded
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Any]] | None = None
-    prompt_logprobs: list[dict[int, Any] | None] | None = None
-    token_sources: list[Any] | None = None  # outputs.TokenSource per output token, when asked for
-    num_prompt_logprob_rows: int = 0  # prompt positions whose logprobs are done
-    # Prefix caching (core/prefix_cache.py): the chain of full-block hashes of token_ids, how
-    # many leading blocks of the table are cached, and scored prompt rows whose block is not yet
-    # whole. With n > 1, the sibling whose prompt the others wait for, then hit.
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_cached_blocks: int = 0
-    cache_epoch: int = 0  # the prefix cache's epoch at admission (a reset ends it)
-    pending_prompt_rows: "tuple[int, LogprobsLists] | None" = None
+    # What the step computes besides the sampled tokens: logprob rows for each emitted token, and
+    # the prompt's own logprobs (only the first of n > 1 samples scores the shared prompt), whose
+    # first num_prompt_logprob_rows positions are done (kept across a preemption).
+    keeps_logprobs: bool = False
+    scores_prompt: bool = False
+    num_prompt_logprob_rows: int = 0
+    # With n > 1, the sibling whose prompt the others wait for (to hit it in the prefix cache).
     prefill_leader: "Request | None" = None
     grammar: "RequestGrammar | None" = None  # structured output: the matcher at the end of the output
     # The client request it belongs to (empty: its own id). The scheduler shares the running slots
@@ -82,7 +71,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.scored is not None:  # only the completion's rows are scored
-            self.prompt_logprobs = [None] * self.scored.start
+            self.scores_prompt = True
             self.num_prompt_logprob_rows = self.scored.start - 1
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)

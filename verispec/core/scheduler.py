@@ -143,6 +143,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             self.prefix_cache.admitted(req, hit)
+            req.num_computed_tokens = hit.num_tokens  # what a preemption left is stale
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             running[req.group] += 1
@@ -199,6 +200,9 @@ class Scheduler:
                 self.drafts.observe(s, record)
                 req.num_computed_tokens += record.num_accepted
                 self.pool.truncate(req.request_id, req.num_computed_tokens)
+            for rows in (s.cached_prompt_rows, record.prompt_logprobs if record is not None else None):
+                if rows is not None:  # prompt positions whose logprobs are done
+                    req.num_prompt_logprob_rows = rows[0] + len(rows[1])
             # After the tokens: accepted drafts are computed, and now in token_ids too.
             self.prefix_cache.cache_computed(req)
             if record is not None and record.prompt_logprobs is not None:
@@ -217,5 +221,6 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pool.free(req.request_id)
+        self.prefix_cache.finish(req.request_id)
         if self.drafts is not None:
             self.drafts.finish(req)

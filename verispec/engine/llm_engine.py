@@ -200,10 +200,9 @@ class LLMEngine:
                 stop_ids=stop_ids,
                 max_tokens=max_tokens,
                 bad_words_token_ids=bad_words,
-                logprobs=[] if wants_logprobs else None,
-                token_sources=[] if params.return_token_sources else None,
+                keeps_logprobs=wants_logprobs,
                 # Every child shares the prompt: only the first one scores it.
-                prompt_logprobs=[None] if params.prompt_logprobs is not None and i == 0 else None,
+                scores_prompt=params.prompt_logprobs is not None and i == 0,
                 # The others wait for the first to cache the prompt, then hit it.
                 prefill_leader=parent.children[0] if i > 0 else None,
                 grammar=grammars[i],
@@ -212,6 +211,7 @@ class LLMEngine:
             )
             parent.children.append(req)
             self._child_parent[child_id] = request_id
+            self.output.add(req)
             self.scheduler.add(req)
         self._parents[request_id] = parent
 
@@ -343,15 +343,17 @@ class LLMEngine:
         parent = self._parents[parent_id]
         outputs = [self.output.completion(req, i) for i, req in enumerate(parent.children)]
         finished = all(req.is_finished for req in parent.children)
+        prompt_logprobs = self.output.state(parent.children[0]).prompt_logprobs
         if finished:
             del self._parents[parent_id]
             for req in parent.children:
                 self._child_parent.pop(req.request_id, None)
+                self.output.forget(req.request_id)
         return RequestOutput(
             request_id=parent_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=parent.children[0].prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             outputs=outputs,
             finished=finished,
             error=parent.error,

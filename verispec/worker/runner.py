@@ -96,7 +96,7 @@ class ModelRunner:
             if s.samples:  # the last known token's row, then one row per draft
                 batch.sampled.append(s)
                 batch.first_sample_rows.append(start + n - 1)
-            if req.prompt_logprobs is not None:
+            if req.scores_prompt:
                 # Rows at positions [lo, hi) predict prompt tokens lo+1 .. hi. Rows scored before a
                 # preemption are not scored again when the prompt is recomputed.
                 lo = max(done, req.num_prompt_logprob_rows)
@@ -151,6 +151,6 @@ class ModelRunner:
                 record.num_verified, record.num_accepted = verified[i], n - 1
                 if confidence is not None:
                     record.draft_confidence = confidence[i][:d]
-            if lists is not None and req.logprobs is not None:  # the request keeps logprobs
+            if lists is not None and req.keeps_logprobs:
                 record.logprobs = lists.slice_request(i, n)
         return result
