@@ -32,13 +32,15 @@ def make_request(params: SamplingParams, max_tokens: int = 1000) -> Request:
 
 
 def feed(proc: OutputProcessor, req: Request, ids: list[int]) -> list[str]:
-    """Appends ids one step at a time (until the request finishes); returns the text after each step."""
+    """Adds the request, then appends ids one step at a time (until the request finishes); returns
+    the text after each step."""
+    proc.add(req)
     texts = []
     for tok in ids:
         if req.is_finished:
             break
         proc.append_tokens(req, [tok], None)
-        texts.append(req.output_text)
+        texts.append(proc.state(req).text)
     return texts
 
 
@@ -72,7 +74,7 @@ def test_incremental_text_decodes_no_whole_output(tokenizer, monkeypatch):
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)
     req = make_request(SamplingParams(ignore_eos=True), max_tokens=len(ids))
     feed(proc, req, ids)
-    assert req.output_text == tokenizer.decode(ids) and calls == []
+    assert proc.state(req).text == tokenizer.decode(ids) and calls == []
 
 
 def test_stop_token_ends_the_text_before_it_and_names_itself(tokenizer):
@@ -81,11 +83,11 @@ def test_stop_token_ends_the_text_before_it_and_names_itself(tokenizer):
     custom = ids[2]
     req = make_request(SamplingParams(stop_token_ids=[custom]))
     feed(proc, req, ids)
-    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == custom
-    assert req.output_text == tokenizer.decode(ids[:2]) and req.output_token_ids == ids[:3]
+    assert req.status == RequestStatus.FINISHED_STOPPED and proc.state(req).stop_reason == custom
+    assert proc.state(req).text == tokenizer.decode(ids[:2]) and req.output_token_ids == ids[:3]
     eos = make_request(SamplingParams())
     feed(proc, eos, ids[:2] + [EOS] + ids[2:])
-    assert eos.stop_reason is None and eos.output_text == tokenizer.decode(ids[:2])
+    assert proc.state(eos).stop_reason is None and proc.state(eos).text == tokenizer.decode(ids[:2])
     early = make_request(SamplingParams(min_tokens=3))  # EOS before min_tokens is just a token
     feed(proc, early, [EOS] + ids)
     assert early.num_output_tokens > 1
@@ -99,8 +101,8 @@ def test_a_stop_string_across_tokens_stops_at_the_token_that_completes_it(tokeni
     feed(proc, req, ids)
     full = tokenizer.decode(ids)
     cut = full.index("a gam")
-    assert req.status == RequestStatus.FINISHED_STOPPED and req.stop_reason == "a gam"
-    assert req.output_text == (full[: cut + len("a gam")] if include else full[:cut])
+    assert req.status == RequestStatus.FINISHED_STOPPED and proc.state(req).stop_reason == "a gam"
+    assert proc.state(req).text == (full[: cut + len("a gam")] if include else full[:cut])
     # It stopped at the first token whose text completes the stop string, not later.
     done = req.output_token_ids
     assert "a gam" in tokenizer.decode(done) and "a gam" not in tokenizer.decode(done[:-1])
@@ -112,11 +114,13 @@ def test_a_stop_string_inside_a_multi_token_step_drops_the_steps_later_tokens(to
     the stop string, as one token at a time would, with its logprobs cut alike."""
     ids = tokenizer.encode("alpha beta gamma delta epsilon")
     one = make_request(SamplingParams(stop=["a gam"], include_stop_str_in_output=include))
-    feed(OutputProcessor(tokenizer, max_model_len=10_000), one, ids)
+    feed(first := OutputProcessor(tokenizer, max_model_len=10_000), one, ids)
     many = make_request(SamplingParams(stop=["a gam"], include_stop_str_in_output=include))
-    OutputProcessor(tokenizer, max_model_len=10_000).append_tokens(many, ids, None)
+    second = OutputProcessor(tokenizer, max_model_len=10_000)
+    second.add(many)
+    second.append_tokens(many, ids, None)
     assert many.output_token_ids == one.output_token_ids and len(many.output_token_ids) < len(ids)
-    assert many.output_text == one.output_text and many.stop_reason == "a gam"
+    assert second.state(many).text == first.state(one).text and second.state(many).stop_reason == "a gam"
 
 
 def test_an_output_ending_inside_a_character_shows_its_bytes_at_the_end(tokenizer):

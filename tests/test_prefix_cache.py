@@ -8,6 +8,8 @@ kernel computes a position alike whatever chunk it is in.
 
 from __future__ import annotations
 
+import itertools
+
 import math
 
 import numpy as np
@@ -202,7 +204,7 @@ def test_rows_wait_for_a_whole_block_and_key_on_the_next_token():
     pc.cache_computed(req)
     assert pool.num_cached_blocks == 2
     pc.cache_prompt_rows(req, 0, _rows(range(0, 6)))  # positions 0..5: block 0 whole, block 1 not
-    assert len(pc.rows) == 1 and req.pending_prompt_rows[0] == 4
+    assert len(pc.rows) == 1 and pc._progress[req.request_id].pending_rows[0] == 4
     pc.cache_prompt_rows(req, 6, _rows(range(6, 9)))  # up to position 8: block 1 (4..7) whole
     assert len(pc.rows) == 2
     hashes = pc.block_hashes(req)
@@ -343,10 +345,13 @@ def test_cache_off_finds_nothing(engines):
 
 
 # ------------------------------------------------------------------ helpers
+_ids = itertools.count()
+
+
 def _request(ids: list[int], prompt_logprobs: int | None = None, cache_salt: str | None = None) -> Request:
     params = SamplingParams(prompt_logprobs=prompt_logprobs, cache_salt=cache_salt)
-    return Request(f"r{id(ids)}", None, ids, params, params.logprobs_mode or _raw(), RequestNoise(0), frozenset(), 4,
-                   prompt_logprobs=[None] if prompt_logprobs is not None else None)
+    return Request(f"r{next(_ids)}", None, ids, params, params.logprobs_mode or _raw(), RequestNoise(0), frozenset(), 4,
+                   scores_prompt=prompt_logprobs is not None)
 
 
 def _raw():

@@ -135,6 +135,7 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
     sched = drafting(pool, max_num_seqs=8, max_num_batched_tokens=100, k=3)
     output = OutputProcessor(None, max_model_len=1000)
     a = make_request("a", 6)
+    output.add(a)
     sched.add(a)
 
     def step_through(step, result, skip=frozenset()):  # the engine order: output first, then the scheduler
