@@ -3,6 +3,8 @@ processors for the processed modes, on the same weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import os
 import platform
@@ -102,8 +104,7 @@ def test_every_mode_matches_hf(llm, oracle, mode):
         if p.prompt_logprobs is not None:
             assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
             # Prompt positions: only the position-independent processors apply.
-            pos_params = p.clone()
-            pos_params.repetition_penalty = 1.0
+            pos_params = replace(p, repetition_penalty=1.0)
             for i in range(1, len(prompt)):
                 ref, tol = reference_scores(rows[i - 1], pos_params, [], mode)
                 assert_entry_matches(out.prompt_logprobs[i], ref, prompt[i], p.prompt_logprobs, tol)

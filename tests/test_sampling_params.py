@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import FrozenInstanceError, replace
+
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -138,7 +140,11 @@ def test_valid_params_construct():
     assert p.logit_bias == {5: 100.0, 7: -100.0}
     assert all(type(k) is int and type(v) is float for k, v in p.logit_bias.items())
     assert p.logprobs_mode is LogprobsMode.PROCESSED_LOGITS
-    assert p.top_k_active
+    with pytest.raises(FrozenInstanceError):  # validated once: a field never changes after
+        p.top_k = 3
+    assert replace(p, top_k=3).top_k == 3
+    with pytest.raises(ValueError, match="top_k"):
+        replace(p, top_k=-2)  # a changed copy is validated again
     # Boundaries that are allowed.
     for kw in (
         dict(top_k=-1), dict(top_k=0), dict(top_p=1.0), dict(min_p=0.0), dict(min_p=1.0),
@@ -148,14 +154,6 @@ def test_valid_params_construct():
         dict(logprobs_mode=LogprobsMode.RAW_LOGITS), dict(stop=["a", "b"]), dict(stop_token_ids=()),
     ):
         SamplingParams(**kw)
-
-
-def test_clone_is_deep():
-    p = SamplingParams(stop=["x"], logit_bias={1: 1.0})
-    q = p.clone()
-    q.stop.append("y")
-    q.logit_bias[2] = 2.0
-    assert p.stop == ["x"] and p.logit_bias == {1: 1.0}
 
 
 # ---------------------------------------------------------------- check_against_model
@@ -270,9 +268,8 @@ def test_valid_params_never_crash_a_generate_call(tiny_engine):
         except ValueError:
             return
         # Keep each example short: at most 3 samples of at most 4 tokens.
-        p.n = min(p.n, 3)
-        p.max_tokens = min(p.max_tokens or 4, 4)
-        p.min_tokens = min(p.min_tokens, p.max_tokens)
+        max_tokens = min(p.max_tokens or 4, 4)
+        p = replace(p, n=min(p.n, 3), max_tokens=max_tokens, min_tokens=min(p.min_tokens, max_tokens))
         check_generate(tiny_engine, p)
         generated.append(p)
 

@@ -1,4 +1,6 @@
-"""SamplingParams: vLLM's field names and meanings, validated on construction.
+"""SamplingParams: vLLM's field names and meanings, validated on construction and frozen after it
+(`dataclasses.replace` makes a changed copy, validated again), so a request's parameters are
+checked once per process and never change under it.
 
 Every invalid value raises `ValueError` naming the field and the allowed range. Every integer must
 fit a signed 64-bit int: that is what crosses to the engine-core process and to the device. Checks
@@ -9,7 +11,6 @@ cut to what the context leaves.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 
@@ -55,7 +56,7 @@ def _is_number(value: object) -> bool:
         return False
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's names); exactly one field is set. The engine
     compiles it with llguidance (sample/grammar.py)."""
@@ -93,7 +94,7 @@ class StructuredOutputsParams:
             if not self.json_object else "json_object"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -131,6 +132,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.validate()
 
+    def _set(self, name: str, value) -> None:
+        """Normalises a field while validating (a str stop to a list, a dict to its dataclass)."""
+        object.__setattr__(self, name, value)
+
     # ------------------------------------------------------------------ validation
     # long: one check per field, in the fields' order, each raising with that field's name; split
     # into groups it would only scatter a flat list.
@@ -149,7 +154,7 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63); got {_brief(self.seed)}")
         if isinstance(self.structured_outputs, dict):
             try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+                self._set("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
             except TypeError as exc:
                 raise ValueError(f"structured_outputs has an unknown field: {exc}") from None
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -169,7 +174,7 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens ({self.max_tokens}); got {self.min_tokens}"
             )
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            self._set("stop", [self.stop])
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(is_valid_text(s) and s for s in self.stop):
                 raise ValueError(
@@ -179,7 +184,8 @@ class SamplingParams:
                 raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
         if self.stop_token_ids is not None:
             # Sets in meaning: duplicates go, so a list is never longer than the vocabulary.
-            self.stop_token_ids = list(dict.fromkeys(self._int_list("stop_token_ids", self.stop_token_ids, lo=0)))
+            ids = self._int_list("stop_token_ids", self.stop_token_ids, lo=0)
+            self._set("stop_token_ids", list(dict.fromkeys(ids)))
         if not _is_number(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 100.0):
             raise ValueError(f"repetition_penalty must be in (0, 100]; got {_brief(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -187,10 +193,10 @@ class SamplingParams:
             if not _is_number(value) or not (-2.0 <= value <= 2.0):
                 raise ValueError(f"{name} must be in [-2, 2]; got {_brief(value)}")
         if self.logit_bias is not None:
-            self.logit_bias = self._check_logit_bias(self.logit_bias)
+            self._set("logit_bias", self._check_logit_bias(self.logit_bias))
         if self.allowed_token_ids is not None:
             allowed = self._int_list("allowed_token_ids", self.allowed_token_ids, lo=0)
-            self.allowed_token_ids = list(dict.fromkeys(allowed))  # a set in meaning, as stop_token_ids
+            self._set("allowed_token_ids", list(dict.fromkeys(allowed)))  # a set in meaning, as stop_token_ids
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty")
         if self.bad_words is not None:
@@ -219,9 +225,9 @@ class SamplingParams:
                     f"logprobs must equal len(logprob_token_ids) ({len(ids)}) when both are set; "
                     f"got {self.logprobs}"
                 )
-            self.logprob_token_ids = ids
+            self._set("logprob_token_ids", ids)
         if self.logprobs_mode is not None:
-            self.logprobs_mode = LogprobsMode.parse(self.logprobs_mode)
+            self._set("logprobs_mode", LogprobsMode.parse(self.logprobs_mode))
         for name in ("speculative", "return_token_sources"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {_brief(getattr(self, name))}")
@@ -257,10 +263,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def top_k_active(self) -> bool:
-        return self.top_k > 0
-
     def check_against_model(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the loaded model; raised when the request is added."""
         for name in ("allowed_token_ids", "stop_token_ids", "logprob_token_ids"):
@@ -285,6 +287,3 @@ class SamplingParams:
                         f"{name}={value} exceeds max_logprobs={max_logprobs}; "
                         "start the engine with a larger max_logprobs (or -1 for no cap)"
                     )
-
-    def clone(self) -> "SamplingParams":
-        return copy.deepcopy(self)

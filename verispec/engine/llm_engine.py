@@ -164,8 +164,7 @@ class LLMEngine:
         """`group`: the client request this one belongs to (default: itself); the scheduler shares
         the running slots fairly between groups. Every child (n > 1) is in the same group.
         `completion`: score these tokens after the prompt under `params` (engine/scoring.py)."""
-        params = SamplingParams() if params is None else params.clone()
-        params.validate()  # fields may have been changed since construction
+        params = SamplingParams() if params is None else params  # frozen, validated when made
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None

@@ -10,6 +10,8 @@ they computed the decode row, so the values are the rollout's bit for bit. This 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from verispec.outputs import RequestOutput, ScoreOutput
 from verispec.core.request import ScoredCompletion
 from verispec.sampling_params import SamplingParams
@@ -28,9 +30,8 @@ def scoring_request(params: SamplingParams, prompt_ids: list[int], completion: l
     if params.logprob_token_ids is not None:
         raise ValueError("logprob_token_ids: LLM.score returns each token with its top `logprobs`, "
                          "not custom ids")
-    own = params.clone()
-    own.n, own.max_tokens, own.min_tokens, own.stop = 1, 1, 0, None
-    own.logprobs, own.prompt_logprobs = None, params.logprobs or 0
+    own = replace(params, n=1, max_tokens=1, min_tokens=0, stop=None, logprobs=None,
+                  prompt_logprobs=params.logprobs or 0)
     start = len(prompt_ids)
     history = (params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
                or params.min_tokens or params.bad_words)
