@@ -282,6 +282,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         max_model_len=engine.max_model_len,
         max_logprobs=config.max_logprobs,
         stats=engine.engine_stats(),
+        eos_token_ids=sorted(engine.eos_token_ids),
         runtime=engine.runtime.labels(),
         runtime_line=engine.runtime.line(),
     )

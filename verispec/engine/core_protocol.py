@@ -208,6 +208,9 @@ class CoreReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     max_logprobs: int
     stats: EngineStats
+    # The end-of-sequence ids the core's grammars allow where a grammar completes: the frontend's
+    # check compiles with the same ones.
+    eos_token_ids: list[int] = []
     runtime: dict[str, str] = {}  # RuntimeInfo.labels(): tier, capability, kernels, step
     runtime_line: str = ""  # RuntimeInfo.line()
 

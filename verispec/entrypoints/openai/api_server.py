@@ -129,7 +129,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             max_n=config.max_n,
             max_prompt_tokens=min(config.max_prompt_tokens or ready.max_model_len - 1, ready.max_model_len - 1),
             encoder=encoder, pending=pending,
-            grammar_limits=config.engine.grammar_limits,
+            grammar_limits=config.engine.grammar_limits, eos_token_ids=frozenset(ready.eos_token_ids),
         )
         metrics.update_engine(client.stats)
         metrics.runtime = ready.runtime

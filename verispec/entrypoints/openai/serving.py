@@ -57,15 +57,14 @@ class ServingContext:
     encoder: TextEncoder | None = None  # None: no tokenizer
     preprocessor: Preprocessor = field(default_factory=Preprocessor)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # the engine core's own
+    eos_token_ids: frozenset[int] = frozenset()  # the engine core's own (its grammars end with them)
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: GrammarCompiler | None = None
 
     @property
     def grammars(self) -> GrammarCompiler:
-        if self._grammars is None:
-            eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, frozenset({eos} - {None}),
-                                             self.grammar_limits)
+        if self._grammars is None:  # as the core compiles them: its limits, its end-of-sequence ids
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids, self.grammar_limits)
         return self._grammars
 
     def check_grammar(self, params: StructuredOutputsParams, param: str) -> None:
