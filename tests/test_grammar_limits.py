@@ -28,7 +28,8 @@ def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
     own = LLM(tiny_tok, dtype="float32", num_kv_blocks=64)
     eng = own.engine
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
-    eng.grammars = GrammarCompiler(eng.tokenizer, eng.vocab_size, eng.eos_token_ids, GrammarLimits(step_max_items=5))
+    compiler = eng.structured.compiler = GrammarCompiler(eng.tokenizer, eng.vocab_size, eng.eos_token_ids,
+                                                         GrammarLimits(step_max_items=5))
     # A grammar the checks would refuse, planted in the compiled cache: it stands for one whose
     # first steps pass and a later one runs out.
     import llguidance
@@ -37,9 +38,9 @@ def test_a_grammar_past_the_parser_limits_fails_its_request_alone(tiny_tok):
 
     text = json.dumps(schema, sort_keys=True)
     planted = concurrent.futures.Future()
-    planted.set_result(llguidance.LLMatcher(eng.grammars._tokenizer(), llguidance.grammar_from("json_schema", text),
-                                            log_level=0, limits=_parser_limits(eng.grammars.limits)))
-    eng.grammars._compiled[("json", text)] = planted
+    planted.set_result(llguidance.LLMatcher(compiler._tokenizer(), llguidance.grammar_from("json_schema", text),
+                                            log_level=0, limits=_parser_limits(compiler.limits)))
+    compiler._compiled[("json", text)] = planted
     outs = own.generate([[1, 5, 6], [1, 5, 7]], [
         SamplingParams(max_tokens=8, structured_outputs={"json": schema}),
         SamplingParams(max_tokens=4, temperature=0),
@@ -57,8 +58,8 @@ def test_a_sampled_token_the_grammar_refuses_fails_its_request_in_that_step(llm,
     from verispec.sample.grammar import RequestGrammar
 
     eng = llm.engine
-    follow = RequestGrammar.advance
-    monkeypatch.setattr(RequestGrammar, "advance", lambda self, tokens: follow(self, [5]))  # 5: refused
+    follow = RequestGrammar.follow
+    monkeypatch.setattr(RequestGrammar, "follow", lambda self, output: follow(self, [5]))  # 5: refused
     runs, execute = [], eng.runner.execute
     monkeypatch.setattr(eng.runner, "execute", lambda sched: runs.append(sched) or execute(sched))
     eng.add_request("refused", [1, 5, 6], SamplingParams(max_tokens=6, structured_outputs={"choice": ["dark blue"]}))
@@ -132,7 +133,7 @@ def test_min_tokens_with_a_grammar_is_refused_and_a_refused_token_fails_only_its
     eng.add_request("good", [1, 5, 7], SamplingParams(max_tokens=6, temperature=0))
     eng.step()
     bad = next(r for r in eng.scheduler.running if r.request_id == "bad")
-    bad.grammar.advance([5])  # not a prefix of "dark blue"
+    bad.grammar.follow(bad.output_token_ids + [5])  # 5 is not a prefix of "dark blue"
     done = {}
     while eng.has_unfinished_requests():
         for out in eng.step():

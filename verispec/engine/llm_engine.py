@@ -32,7 +32,7 @@ from verispec.models.default import default_model_path
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision, weight_kinds
 from verispec.outputs import RequestOutput
 from verispec.core.request import Request, RequestStatus
-from verispec.sample.grammar import GrammarCompiler
+from verispec.sample.grammar import GrammarCompiler, StructuredOutputs
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams, is_valid_text
 from verispec.spec_decode.metrics import SpecDecodeMetrics
@@ -137,7 +137,8 @@ class LLMEngine:
         logger.info("%s", self.runtime.line())
         logger.info("%s", self.startup.summary())
         self.output = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids, config.grammar_limits)
+        self.structured = StructuredOutputs(GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                            config.grammar_limits))
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self.num_steps = 0
@@ -180,8 +181,7 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         mode = params.logprobs_mode or self.config.logprobs_mode
         # Compiled (and checked) before any child is queued: a bad grammar refuses the whole request.
-        so = params.structured_outputs
-        grammars = [self.grammars.matcher(so) if so else None for _ in range(params.n)]
+        grammars = self.structured.matchers(params.structured_outputs, params.n)
         parent = _Parent(request_id, text, ids, weight_version=self.weight_versions.current)
         base_seed = params.seed
         if base_seed is None:
@@ -309,11 +309,10 @@ class LLMEngine:
         result, failed = execute_isolating_failures(self.runner, sched)
         errored = self._fail_requests(sched, failed)
         emitted = self.output.process_step(sched, result, skip=errored, step=self.num_steps)
-        for req in emitted:  # a grammar that refused a token fails its request now, not its next step
-            if req.grammar is not None and not req.is_finished and (error := req.grammar.error()):
-                logger.warning("request %s failed: %s", req.request_id, error)
-                self._fail(req, error, "invalid")
-                errored.add(req.request_id)
+        for req, error in self.structured.follow(emitted):  # a grammar that refused a token fails its request now
+            logger.warning("request %s failed: %s", req.request_id, error)
+            self._fail(req, error, "invalid")
+            errored.add(req.request_id)
         # The step's real cost (drafting the next one included) is a measure unless a request failed.
         self.scheduler.update_from_output(sched, result, skip=errored, started=None if failed else start)
         changed = errored | {r.request_id for r in emitted}

@@ -117,7 +117,7 @@ class OutputProcessor:
     def process_step(self, sched: "SchedulerOutput", result: "StepResult", skip: set[str] = frozenset(),
                      step: int = 0) -> list[Request]:
         """Appends one step's prompt logprobs and tokens to its requests (except those in `skip`),
-        checks stops and advances each request's grammar. Returns the requests that emitted tokens.
+        checks stops. Returns the requests that emitted tokens.
         `step` numbers the step for the token sources of requests that asked for them."""
         emitted = []
         for s in sched.scheduled:
@@ -138,8 +138,6 @@ class OutputProcessor:
                 if state.token_sources is not None:  # as many as append_tokens kept (a stop cuts)
                     sources = token_sources(len(record.sampled), record.num_verified, record.num_accepted, step)
                     state.token_sources.extend(sources[: req.num_tokens - before])
-                if req.grammar is not None:
-                    req.grammar.advance(req.token_ids[before:])
                 emitted.append(req)
         return emitted
 

@@ -1,7 +1,8 @@
 """Structured output: a grammar mask per sampled row, from llguidance.
 
-A request with `structured_outputs` gets an `llguidance.LLMatcher` that follows its output: the
-scheduler advances it by every token the request emits. When a step's rows are built, the matcher
+A request with `structured_outputs` gets an `llguidance.LLMatcher` that follows its output.
+`StructuredOutputs` owns the matchers' life: it compiles them when a request is added and, after
+each step, follows the tokens the request emitted. When a step's rows are built, the matcher
 gives each candidate row its bitmask of allowed tokens: the first row's at the request's current
 output, and for drafts, the matcher is advanced through them, a mask taken after each, then rolled
 back. Drafts are cut to their longest grammar-valid prefix when they are proposed, so every
@@ -52,6 +53,7 @@ class RequestGrammar:
     """One request's matcher, at the end of its emitted tokens."""
 
     matcher: Any  # llguidance.LLMatcher
+    num_followed: int = 0  # output tokens the matcher has followed
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many of the drafts the grammar allows, in order."""
@@ -76,10 +78,12 @@ class RequestGrammar:
             raise GrammarFailed(f"structured output failed: {_first_line(self.matcher.get_error())}")
         return mask
 
-    def advance(self, tokens: list[int]) -> None:
-        """Follows the request's newly emitted tokens (sampled under this grammar's masks). It
-        never raises: a token the grammar refuses leaves the matcher in its error state, which
-        `error` reports (llguidance's mask offers some partial UTF-8 tokens its parser then refuses)."""
+    def follow(self, output_ids: list[int]) -> None:
+        """Follows the request's output past what it followed already (tokens sampled under this
+        grammar's masks). It never raises: a token the grammar refuses leaves the matcher in its
+        error state, which `error` reports (llguidance's mask offers some partial UTF-8 tokens its
+        parser then refuses)."""
+        tokens, self.num_followed = output_ids[self.num_followed:], len(output_ids)
         for token in tokens:
             if self.matcher.is_stopped() or not self.matcher.consume_token(token):
                 return  # complete (what follows is EOS, which ends the request), or refused
@@ -89,6 +93,30 @@ class RequestGrammar:
         if not self.matcher.is_error():
             return None
         return f"structured output failed: {_first_line(self.matcher.get_error())}"
+
+
+class StructuredOutputs:
+    """The engine's grammars: compiled when a request is added (an invalid one refuses the whole
+    request before anything is queued), and after each step advanced by what their requests
+    emitted. The drafters and the step's rows only read them (`valid_prefix`, `row_masks`)."""
+
+    def __init__(self, compiler: "GrammarCompiler"):
+        self.compiler = compiler
+
+    def matchers(self, params: StructuredOutputsParams | None, n: int) -> list[RequestGrammar | None]:
+        """One matcher for each of a request's n samples (None: no grammar)."""
+        return [self.compiler.matcher(params) if params is not None else None for _ in range(n)]
+
+    def follow(self, emitted: list) -> list[tuple[Any, str]]:
+        """Advances the grammars of the requests that emitted tokens this step (`Request`s);
+        returns those still running whose grammar refused a token, with the reason."""
+        refused = []
+        for req in emitted:
+            if req.grammar is not None:
+                req.grammar.follow(req.output_token_ids)
+                if not req.is_finished and (error := req.grammar.error()):
+                    refused.append((req, error))
+        return refused
 
 
 class GrammarCompiler:
