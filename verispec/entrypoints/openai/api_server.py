@@ -73,6 +73,10 @@ class ServerConfig:
         return name.split(".")[0] if name.endswith(".gguf") else name
 
 
+# The error answers a route documents (OpenAPI), in the OpenAI shape.
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 413, 503)}
+
+
 def _error(status: int, message: str, param: str | None = None, type_: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     body = RequestError(message, param, status, type_).response_body()
@@ -96,13 +100,30 @@ def _load_tokenizer(path: str):
     return tokenizer, text_encoder(tokenizer) if tokenizer is not None else None
 
 
-# long: the routes are closures over this server's state (engine client, metrics, pending work),
-# each a few lines, declared where FastAPI registers them.
 def build_app(config: ServerConfig) -> FastAPI:
+    """The server's app: its lifespan starts the engine core and the tokenizer; routes added by
+    kind (errors, /v1, operations, control, playground, tokenizer)."""
     metrics = ServerMetrics(config.model_name())
     pending = PendingWork(config.max_pending_requests, config.max_pending_sequences,
                           min(config.max_request_sequences, config.max_pending_sequences))
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
+    app = FastAPI(title="verispec", version="0.1.0", lifespan=_lifespan(config, metrics, pending),
+                  redirect_slashes=False)
+    # Outermost first: a request over the pending limit is refused before its body is read.
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(ConcurrencyLimit, work=pending)
+    _add_error_handlers(app, metrics)
+    check_api_key = _api_key_check(config.api_key)
+    _add_v1_routes(app, config, check_api_key)
+    _add_operation_routes(app, metrics, check_api_key)
+    add_control_routes(app, check_api_key, _ctx, _admit)
+    add_playground_routes(app, playground_config(config.engine, config.model_name(), config.api_key is not None))
+    _add_tokenizer_routes(app, [] if config.open_tokenizer_routes else [Depends(check_api_key)])
+    return app
 
+
+def _lifespan(config: ServerConfig, metrics: ServerMetrics, pending: PendingWork):
+    """Starts the engine core replicas and loads the tokenizer beside them; stops both at the end."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from verispec.models.default import default_model_path
@@ -148,13 +169,11 @@ def build_app(config: ServerConfig) -> FastAPI:
             app.state.ctx.preprocessor.shutdown()
             await client.shutdown()
 
-    # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
-    app = FastAPI(title="verispec", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
-    # Outermost first: a request over the pending limit is refused before its body is read.
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
-    app.add_middleware(ConcurrencyLimit, work=pending)
+    return lifespan
 
-    # ------------------------------------------------------------------ errors
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error leaves in the OpenAI shape, counted by status."""
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
         metrics.error(exc.status)
@@ -183,23 +202,29 @@ def build_app(config: ServerConfig) -> FastAPI:
         metrics.error(500)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    # ------------------------------------------------------------------ auth
+
+def _api_key_check(api_key: str | None):
+    """The dependency that asks for `Authorization: Bearer <api_key>` (nothing when None)."""
     async def check_api_key(request: Request) -> None:
-        if config.api_key is None:
+        if api_key is None:
             return
         # The scheme is case-insensitive (RFC 9110); the key is compared in constant time.
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), config.api_key.encode()):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise RequestError("a valid API key is required: send 'Authorization: Bearer <key>'", status=401,
                                type_="AuthenticationError")
 
+    return check_api_key
+
+
+def _add_v1_routes(app: FastAPI, config: ServerConfig, check_api_key) -> None:
+    """/v1/completions, /v1/chat/completions and /v1/models, behind the API key."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
-    errors = {status: {"model": ErrorResponse} for status in (400, 401, 413, 503)}
     # With "stream": true the answer is server-sent events, not JSON. Before OpenAPI 3.2 (FastAPI
     # writes 3.1) an event stream's `schema` describes one event: its `data` is a JSON chunk or [DONE].
     event = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-    streams = {**errors, 200: {"content": {"text/event-stream": {"schema": event}}}}
+    streams = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": event}}}}
 
     async def generate(request: Request, body, num_prompts: int, prepare_fn, stream_fn, create_fn):
         """Bounds first (cheap, here), preparation in a worker thread, then the engine."""
@@ -228,7 +253,10 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     app.include_router(v1)
 
-    # ------------------------------------------------------------------ operations
+
+
+def _add_operation_routes(app: FastAPI, metrics: ServerMetrics, check_api_key) -> None:
+    """/health, /metrics and /reset_prefix_cache."""
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": HealthResponse}})
     async def health(request: Request):
         client = _ctx(request).client
@@ -269,10 +297,10 @@ def build_app(config: ServerConfig) -> FastAPI:
         ctx.client.reset_prefix_cache()
         return Response(status_code=200)
 
-    add_control_routes(app, check_api_key, _ctx, _admit)
-    add_playground_routes(app, playground_config(config.engine, config.model_name(), config.api_key is not None))
-    tokenizer_auth = [] if config.open_tokenizer_routes else [Depends(check_api_key)]
 
+
+def _add_tokenizer_routes(app: FastAPI, tokenizer_auth: list) -> None:
+    """/tokenize, /detokenize and /tokenizer_info (open without the API key when the server says so)."""
     def _tokenize(ctx: ServingContext, body: TokenizeRequest) -> list[int]:
         ctx.check_chars(len(body.prompt), "prompt")
         ids = ctx.encoder.encode([body.prompt], special_tokens=body.parse_special_tokens,
@@ -282,7 +310,7 @@ def build_app(config: ServerConfig) -> FastAPI:
                                f"{ctx.prompt_token_limit}", "prompt")
         return ids
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors, dependencies=tokenizer_auth)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS, dependencies=tokenizer_auth)
     async def tokenize(body: TokenizeRequest, request: Request):
         """The prompt's token ids, as /v1/completions would send them (the same limits apply)."""
         ctx = _ctx(request)
@@ -292,7 +320,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         ids = await ctx.preprocessor.run(_tokenize, ctx, body)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=ctx.max_model_len)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors, dependencies=tokenizer_auth)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS, dependencies=tokenizer_auth)
     async def detokenize(body: DetokenizeRequest, request: Request):
         ctx = _ctx(request)
         ctx.check_model(body.model)
@@ -313,8 +341,6 @@ def build_app(config: ServerConfig) -> FastAPI:
             pad_token=tok.pad_token, chat_template=getattr(tok, "chat_template", None),
             model_max_length=ctx.max_model_len, add_bos_token=getattr(tok, "add_bos_token", None),
         )
-
-    return app
 
 
 def run_server(config: ServerConfig, log_level: str = "info") -> None:

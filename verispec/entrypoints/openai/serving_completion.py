@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 
 from verispec.engine.core_protocol import LogprobRow
 from verispec.entrypoints.openai.protocol import (
@@ -162,85 +163,115 @@ def stream_completion(ctx: ServingContext, req: CompletionRequest, prepared) -> 
     return _stream(ctx, req, *prepared)
 
 
-# long: one server-sent-event stream from first chunk to [DONE], its queue, disconnect and error
-# paths together, so that what a client sees reads top to bottom.
+@dataclass(slots=True)
+class _StreamState:
+    """One completion stream's chunks: what has gone out per prompt, each choice's logprob builder."""
+
+    ctx: ServingContext
+    req: CompletionRequest
+    prompts: list[tuple[str | None, list[int]]]
+    n: int
+    prompt_only: bool
+    request_id: str = field(default_factory=lambda: new_id("cmpl"))
+    created: int = field(default_factory=lambda: int(time.time()))
+    builders: dict = field(default_factory=dict)  # (prompt, sample) -> CompletionBuilder
+    num_tokens: list[int] = field(default_factory=list)  # per prompt
+    prompt_sent: list[bool] = field(default_factory=list)  # the prompt's text (echo) or ids (return_token_ids) went out
+
+    def __post_init__(self) -> None:
+        self.builders = {(p, i): CompletionBuilder(self.ctx) for p in range(len(self.prompts)) for i in range(self.n)}
+        self.num_tokens = [0] * len(self.prompts)
+        self.prompt_sent = [False] * len(self.prompts)
+
+    def chunk(self, delta, index: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None,
+              stop=None, **extras) -> str:
+        """One choice's event, under the weight version of the engine delta it comes from."""
+        body = CompletionResponse(
+            id=self.request_id, created=self.created, model=self.ctx.model_name,
+            choices=[CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop,
+                                      **extras)],
+            weight_version=delta.weight_version,
+        )
+        return sse(body.model_dump_json(exclude_unset=False))
+
+    def events(self, p: int, delta) -> Iterator[str]:
+        """The events of prompt p's engine delta: its echo first (once), then each choice's text."""
+        req, wants_lp = self.req, _wants_logprobs(self.req)
+        text_p, ids = self.prompts[p]
+        if req.echo and not self.prompt_sent[p]:
+            self.prompt_sent[p] = True
+            echo_text = text_p if text_p is not None else self.ctx.detokenize(ids)
+            for i in range(self.n):
+                lp = None
+                if wants_lp:
+                    lp = CompletionLogprobs()
+                    self.builders[(p, i)].add_prompt(lp, ids, delta.prompt_logprobs)
+                yield self.chunk(delta, p * self.n + i, echo_text, lp,
+                                 prompt_token_ids=ids if req.return_token_ids else None)
+        self.num_tokens[p] += sum(len(c.token_ids) for c in delta.completions)
+        for comp in delta.completions:
+            index = p * self.n + comp.index
+            if self.prompt_only:
+                if comp.finish_reason is not None:
+                    yield self.chunk(delta, index, "", None, "length")
+                continue
+            lp = None
+            if wants_lp and comp.logprobs:
+                lp = CompletionLogprobs()
+                for row in comp.logprobs:
+                    self.builders[(p, comp.index)].add_row(lp, row)
+            extras = token_extras(req, comp.token_ids, comp.sources) if comp.token_ids else {}
+            if not self.prompt_sent[p] and req.return_token_ids and "token_ids" in extras:
+                self.prompt_sent[p] = True  # without echo, the prompt's ids ride on its first tokens
+                extras["prompt_token_ids"] = ids
+            if comp.text or lp is not None or comp.finish_reason is not None or extras:
+                yield self.chunk(delta, index, comp.text, lp, comp.finish_reason, comp.stop_reason, **extras)
+
+    def usage_event(self) -> str | None:
+        """The usage chunk, when the client asked for it (stream_options.include_usage)."""
+        if self.req.stream_options is None or not self.req.stream_options.include_usage:
+            return None
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        completion_tokens = 0 if self.prompt_only else sum(self.num_tokens)
+        body = CompletionResponse(
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=[],
+            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens),
+        )
+        return sse(body.model_dump_json())
+
+
 async def _stream(ctx, req, prompts, params, prompt_only) -> AsyncIterator[str]:
-    request_id = new_id("cmpl")
-    created = int(time.time())
+    """One server-sent-event stream from first chunk to [DONE]: an engine request per prompt, their
+    deltas through one queue in arrival order; a failure ends the stream with an error event."""
+    state = _StreamState(ctx, req, prompts, params.n, prompt_only)
     queue: asyncio.Queue = asyncio.Queue()
-    wants_lp = _wants_logprobs(req)
 
     async def pump(p: int, ids: list[int]) -> None:
         try:
-            async for delta in stream_request(ctx, f"{request_id}-{p}", ids, params, request_id, grammar_field(req)):
+            async for delta in stream_request(ctx, f"{state.request_id}-{p}", ids, params, state.request_id,
+                                              grammar_field(req)):
                 queue.put_nowait((p, delta))
         except Exception as exc:  # noqa: BLE001 - forwarded to the client as an error event
             queue.put_nowait((p, exc))
         finally:
             queue.put_nowait((p, None))
 
-    def chunk(index: int, text: str, lp: CompletionLogprobs | None, finish: str | None = None, stop=None,
-              **extras) -> str:
-        body = CompletionResponse(
-            id=request_id, created=created, model=ctx.model_name,
-            choices=[CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop,
-                                      **extras)],
-            weight_version=item.weight_version,
-        )
-        return sse(body.model_dump_json(exclude_unset=False))
-
     tasks = [asyncio.create_task(pump(p, ids)) for p, (_, ids) in enumerate(prompts)]
-    builders = {(p, i): CompletionBuilder(ctx) for p in range(len(prompts)) for i in range(params.n)}
-    num_tokens = [0] * len(prompts)
-    prompt_sent = [False] * len(prompts)  # the prompt's text (echo) or ids (return_token_ids) went out
     remaining = len(prompts)
     try:
         while remaining:
-            p, item = await queue.get()
-            if item is None:
+            p, delta = await queue.get()
+            if delta is None:
                 remaining -= 1
                 continue
-            if isinstance(item, Exception):
-                yield sse(error_json(item))
+            if isinstance(delta, Exception):
+                yield sse(error_json(delta))
                 break
-            text_p, ids = prompts[p]
-            if req.echo and not prompt_sent[p]:
-                prompt_sent[p] = True
-                echo_text = text_p if text_p is not None else ctx.detokenize(ids)
-                for i in range(params.n):
-                    lp = None
-                    if wants_lp:
-                        lp = CompletionLogprobs()
-                        builders[(p, i)].add_prompt(lp, ids, item.prompt_logprobs)
-                    yield chunk(p * params.n + i, echo_text, lp,
-                                prompt_token_ids=ids if req.return_token_ids else None)
-            num_tokens[p] += sum(len(c.token_ids) for c in item.completions)
-            for comp in item.completions:
-                index = p * params.n + comp.index
-                if prompt_only:
-                    if comp.finish_reason is not None:
-                        yield chunk(index, "", None, "length")
-                    continue
-                lp = None
-                if wants_lp and comp.logprobs:
-                    lp = CompletionLogprobs()
-                    for row in comp.logprobs:
-                        builders[(p, comp.index)].add_row(lp, row)
-                extras = token_extras(req, comp.token_ids, comp.sources) if comp.token_ids else {}
-                if not prompt_sent[p] and req.return_token_ids and "token_ids" in extras:
-                    prompt_sent[p] = True  # without echo, the prompt's ids ride on its first tokens
-                    extras["prompt_token_ids"] = ids
-                if comp.text or lp is not None or comp.finish_reason is not None or extras:
-                    yield chunk(index, comp.text, lp, comp.finish_reason, comp.stop_reason, **extras)
-        if req.stream_options is not None and req.stream_options.include_usage:
-            prompt_tokens = sum(len(ids) for _, ids in prompts)
-            completion_tokens = 0 if prompt_only else sum(num_tokens)
-            body = CompletionResponse(
-                id=request_id, created=created, model=ctx.model_name, choices=[],
-                usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                total_tokens=prompt_tokens + completion_tokens),
-            )
-            yield sse(body.model_dump_json())
+            for event in state.events(p, delta):
+                yield event
+        if (usage_event := state.usage_event()) is not None:
+            yield usage_event
         yield sse("[DONE]")
     finally:
         for task in tasks:  # a disconnected client: cancelling aborts the engine requests
