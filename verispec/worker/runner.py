@@ -68,29 +68,29 @@ class ModelRunner:
         crash isolation does) computes the same step."""
         drafts = self.drafter.draft(self.draft_inputs, sched.scheduled) if self.drafter is not None else {}
         batch = self.build_batch(sched)
-        spec = None
+        verify_meta = None
         if batch.sampled:
-            spec = SpecDecodeMetadata.build(batch.sampled, batch.first_sample_rows, drafts, sched.plan,
-                                            self.vocab_size, self.device)
-        hidden = self._forward(batch, spec)
+            verify_meta = SpecDecodeMetadata.build(batch.sampled, batch.first_sample_rows, drafts, sched.plan,
+                                                   self.vocab_size, self.device)
+        hidden = self._forward(batch, verify_meta)
         prompt_jobs = self._score_prompts(batch, hidden)
-        out = verify(self.model, hidden, spec, self.max_verify_rows) if spec is not None else None
+        out = verify(self.model, hidden, verify_meta, self.max_verify_rows) if verify_meta is not None else None
 
         # The step's single device-to-host transfer and synchronisation point.
         host = out.to_cpu_nonblocking() if out is not None else None
         prompt_host = [(req, lo, t.to_cpu_nonblocking()) for req, lo, t in prompt_jobs]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        return self._step_result(spec, host, prompt_host)
+        return self._step_result(verify_meta, host, prompt_host)
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         batch = FlatBatch()
         for s in sched.scheduled:
-            req, n, spec = s.request, s.num_new_tokens, s.draft_token_ids
+            req, n, drafts = s.request, s.num_new_tokens, s.draft_token_ids
             start, done = len(batch.input_ids), req.num_computed_tokens
-            total = n + len(spec)
+            total = n + len(drafts)
             batch.input_ids.extend(req.token_ids[done : done + n])
-            batch.input_ids.extend(spec)
+            batch.input_ids.extend(drafts)
             batch.positions.extend(range(done, done + total))
             batch.spans.append(SeqSpan(start, total, done + total, self.pool.table(req.request_id)))
             if s.samples:  # the last known token's row, then one row per draft
@@ -105,12 +105,12 @@ class ModelRunner:
                     batch.prompt_jobs.append(PromptJob(req, start + lo - done, lo, hi))
         return batch
 
-    def _forward(self, batch: FlatBatch, spec: SpecDecodeMetadata | None) -> torch.Tensor:
+    def _forward(self, batch: FlatBatch, verify_meta: SpecDecodeMetadata | None) -> torch.Tensor:
         dev = self.device
         meta = build_attention_metadata(batch.spans, self.pool.block_size, dev, self.model.dtype)
         input_ids = to_device(batch.input_ids, dtype=torch.long, device=dev)
-        if spec is not None:
-            spec.write_drafts(input_ids)
+        if verify_meta is not None:
+            verify_meta.write_drafts(input_ids)
         positions = to_device(batch.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, positions, meta, self.kv.layers)
         if self.drafter is not None:  # keeps the drafter's cache in step with the target's
@@ -122,17 +122,17 @@ class ModelRunner:
         for job in batch.prompt_jobs:
             req, lo, hi = job.request, job.lo, job.hi
             if req.scored is not None:  # LLM.score: each row as the rollout's decode row
-                spec = RowSpec.for_scored_rows(req, lo, hi)
+                rows = RowSpec.for_scored_rows(req, lo, hi)
             else:
-                spec = replace(RowSpec.for_request(req), noise=None, position_independent=True,
+                rows = replace(RowSpec.for_request(req), noise=None, position_independent=True,
                                num_logprobs=req.params.prompt_logprobs)
             targets = to_device(req.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
             tensors = score_prompt_rows(self.model.compute_logits, hidden[job.first_row : job.first_row + hi - lo],
-                                        targets, spec, self.vocab_size, self.config.prompt_logprobs_chunk_rows)
+                                        targets, rows, self.vocab_size, self.config.prompt_logprobs_chunk_rows)
             jobs.append((req, lo, tensors))
         return jobs
 
-    def _step_result(self, spec: SpecDecodeMetadata | None, out: SampleOutput | None,
+    def _step_result(self, verify_meta: SpecDecodeMetadata | None, out: SampleOutput | None,
                      prompts: list[tuple[Request, int, LogprobsTensors]]) -> StepResult:
         """After the synchronisation: each request's tokens, logprob rows and drafts' outcome."""
         result = StepResult()
@@ -141,11 +141,11 @@ class ModelRunner:
         if out is None:
             return result
         sampled, num_sampled = out.sampled.tolist(), out.num_sampled.tolist()
-        verified = out.num_verified.tolist() if out.num_verified is not None else spec.num_draft_tokens
+        verified = out.num_verified.tolist() if out.num_verified is not None else verify_meta.num_draft_tokens
         confidence = out.draft_confidence.tolist() if out.draft_confidence is not None else None
         lists = out.logprobs.tolists() if out.logprobs is not None else None
-        for i, req in enumerate(spec.requests):
-            record, n, d = result.of(req.request_id), num_sampled[i], spec.num_draft_tokens[i]
+        for i, req in enumerate(verify_meta.requests):
+            record, n, d = result.of(req.request_id), num_sampled[i], verify_meta.num_draft_tokens[i]
             record.sampled = sampled[i][:n]
             if d:
                 record.num_verified, record.num_accepted = verified[i], n - 1
