@@ -10,7 +10,7 @@ import torch
 from test_processors import CPU, make_row
 from verispec.config import LogprobsMode
 from verispec.core.request import Request
-from verispec.sample.metadata import RowSpec, SamplingMetadata
+from verispec.sample.metadata import SamplingMetadata
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
@@ -56,7 +56,7 @@ def test_a_requests_row_counts_its_drafts_and_hides_the_device_tail():
     req = Request("r", None, [1, 2], SamplingParams(logprobs=2), LogprobsMode.RAW_LOGPROBS, RequestNoise(1),
                   frozenset({0}), 10)
     req.token_ids += [5]
-    row = RowSpec.for_request(req, drafts=[-1, -1], purpose="draft", device_tail=torch.tensor([7, 8]))
+    row = req.row(drafts=[-1, -1], purpose="draft", device_tail=torch.tensor([7, 8]))
     assert row.output_ids == [5, -1, -1] and row.host_output_ids() == [5]
     assert (row.position, row.num_logprobs, row.purpose, row.stop_ids) == (5, 2, "draft", frozenset({0}))
 

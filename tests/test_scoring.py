@@ -17,7 +17,7 @@ import pytest
 
 from verispec import LLM, SamplingParams
 from verispec.engine.scoring import scoring_request
-from verispec.sample.metadata import RowSpec
+from verispec.core.request import Request
 
 from conftest import random_prompts
 
@@ -88,9 +88,9 @@ def test_inverse_control_rows_without_the_completion_as_history_differ(exact, mo
     give other processed logprobs: the check above can fail."""
     from dataclasses import replace
 
-    history_aware = RowSpec.for_scored_rows
-    monkeypatch.setattr(RowSpec, "for_scored_rows", classmethod(
-        lambda cls, req, lo, hi: [replace(row, position_independent=True) for row in history_aware(req, lo, hi)]))
+    history_aware = Request.scored_rows
+    monkeypatch.setattr(Request, "scored_rows",
+                        lambda req, lo, hi: [replace(row, position_independent=True) for row in history_aware(req, lo, hi)])
     outs, scores = rollout_and_score(exact, SamplingParams(**ROLLOUT, **CASES["processed_history"]), seed=2)
     assert unequal_rows(outs, scores) > 0
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from verispec.config import LogprobsMode
+from verispec.sample.metadata import RowSpec
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
 
@@ -97,4 +101,25 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    # ------------------------------------------------------------------ its rows
+    def row(self, drafts: Sequence[int] = (), purpose: str = "sample",
+            device_tail: torch.Tensor | None = None) -> RowSpec:
+        """The row that emits the token after the request's tokens plus `drafts` (accepted, as
+        far as this row knows: penalties and min_tokens see them). `device_tail`: the device
+        values of the last drafts, when the host holds placeholders for them."""
+        return RowSpec(params=self.params, prompt_ids=self.prompt_token_ids,
+                       output_ids=self.output_token_ids + list(drafts), noise=self.noise, stop_ids=self.stop_ids,
+                       mode=self.logprobs_mode, num_logprobs=self.params.logprobs, purpose=purpose,
+                       bad_words_token_ids=self.bad_words_token_ids, device_tail=device_tail)
+
+    def scored_rows(self, lo: int, hi: int) -> list[RowSpec]:
+        """The rows at positions [lo, hi) of a scored completion (`LLM.score`), as the rollout's
+        decode rows were: the rollout's parameters, the completion up to each row as output."""
+        scored = self.scored
+        prompt = self.prompt_token_ids[: scored.start]  # one list, shared by every row
+        return [RowSpec(params=scored.params, prompt_ids=prompt, output_ids=self.prompt_token_ids[scored.start : p + 1],
+                        noise=None, stop_ids=self.stop_ids, mode=self.logprobs_mode,
+                        num_logprobs=self.params.prompt_logprobs, bad_words_token_ids=self.bad_words_token_ids)
+                for p in range(lo, hi)]
 

@@ -2,7 +2,7 @@
 
 A scored request is an ordinary request whose prompt is the rollout's prompt plus its completion.
 Only the completion's rows are scored, each under the rollout's parameters with the completion so
-far as its output (`RowSpec.for_scored_rows`), so penalties, bad words and min_tokens see what the
+far as its output (`Request.scored_rows`), so penalties, bad words and min_tokens see what the
 rollout's decode rows saw. The tiers that are batch-invariant (docs/rl.md) compute a prefill row as
 they computed the decode row, so the values are the rollout's bit for bit. This is the trainer's
 "old logprobs" without a second model.

@@ -9,8 +9,6 @@ synchronisation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
-
 import torch
 
 from verispec.config import LogprobsMode
@@ -18,9 +16,6 @@ from verispec.device_copy import to_device
 from verispec.sample.grammar import bitmask_tensor
 from verispec.sample.noise import RequestNoise
 from verispec.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # the engine's request imports the noise module, not this one
-    from verispec.core.request import Request
 
 
 @dataclass(slots=True)
@@ -41,36 +36,6 @@ class RowSpec:
     # The values of output_ids' last entries where only the device knows them (a model's drafts,
     # placeholders on the host): penalties and bad words read them there, with no sync.
     device_tail: torch.Tensor | None = None
-
-    @classmethod
-    def for_request(cls, req: "Request", drafts: list[int] = (), purpose: str = "sample",
-                    device_tail: torch.Tensor | None = None) -> "RowSpec":
-        """The row that emits the token after req's tokens plus `drafts` (accepted, as far as
-        this row knows: penalties and min_tokens see them). `device_tail`: the device values of
-        the last drafts, when the host holds placeholders for them."""
-        return cls(
-            params=req.params,
-            prompt_ids=req.prompt_token_ids,
-            output_ids=req.output_token_ids + list(drafts),
-            noise=req.noise,
-            stop_ids=req.stop_ids,
-            mode=req.logprobs_mode,
-            num_logprobs=req.params.logprobs,
-            purpose=purpose,
-            bad_words_token_ids=req.bad_words_token_ids,
-            device_tail=device_tail,
-        )
-
-    @classmethod
-    def for_scored_rows(cls, req: "Request", lo: int, hi: int) -> list["RowSpec"]:
-        """The rows at positions [lo, hi) of a scored completion (`LLM.score`), as the rollout's
-        decode rows were: the rollout's parameters, the completion up to each row as output."""
-        scored = req.scored
-        prompt = req.prompt_token_ids[: scored.start]  # one list, shared by every row
-        return [cls(params=scored.params, prompt_ids=prompt, output_ids=req.prompt_token_ids[scored.start : p + 1],
-                    noise=None, stop_ids=req.stop_ids, mode=req.logprobs_mode,
-                    num_logprobs=req.params.prompt_logprobs, bad_words_token_ids=req.bad_words_token_ids)
-                for p in range(lo, hi)]
 
     def host_output_ids(self) -> list[int]:
         """output_ids without the device tail: the values the host knows."""

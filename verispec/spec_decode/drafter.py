@@ -23,7 +23,7 @@ from verispec.models.attention import LayerCache, SeqSpan, build_attention_metad
 from verispec.models.llama import LlamaModel
 from verispec.core.request import Request
 from verispec.core.step_types import Drafts
-from verispec.sample.metadata import RowSpec, SamplingMetadata
+from verispec.sample.metadata import SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.sampler import sample
 from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts
@@ -139,7 +139,7 @@ class ModelDrafter:
             meta = build_attention_metadata(spans, inputs.block_size, dev, model.dtype)
             index = to_device(active, dtype=torch.long, device=dev)
             hidden = model(last[index], to_device(positions, device=dev), meta, kv_layers, self.num_layers)
-            rows = [RowSpec.for_request(jobs[i].request, drafts[i], purpose="draft",
+            rows = [jobs[i].request.row(drafts[i], purpose="draft",
                                         device_tail=_tail(jobs[i].request, device_drafts[i])) for i in active]
             md = SamplingMetadata.build(rows, inputs.vocab_size, dev)
             processed = apply_processors(model.compute_logits(hidden), md)

@@ -72,7 +72,7 @@ class SpecDecodeMetadata:
                for s, m in zip(sampled, model)]
         d = [len(x) for x in ids]
         k = max(d)
-        per_request = [[RowSpec.for_request(req, x[:j], device_tail=m.token_ids[:j] if m is not None and j else None)
+        per_request = [[req.row(x[:j], device_tail=m.token_ids[:j] if m is not None and j else None)
                         for j in range(len(x) + 1)] for req, x, m in zip(reqs, ids, model)]
         for req, x, group in zip(reqs, ids, per_request):
             if req.grammar is not None:  # one mask per candidate row (model drafters skip these requests)

@@ -21,7 +21,6 @@ from verispec.models.attention import SeqSpan, build_attention_metadata
 from verispec.models.llama import LlamaModel
 from verispec.outputs import LogprobsTensors
 from verispec.core.request import Request
-from verispec.sample.metadata import RowSpec
 from verispec.sample.prompt_logprobs import score_prompt_rows
 from verispec.spec_decode.drafter import DraftInputs
 from verispec.spec_decode.metadata import SpecDecodeMetadata
@@ -122,9 +121,9 @@ class ModelRunner:
         for job in batch.prompt_jobs:
             req, lo, hi = job.request, job.lo, job.hi
             if req.scored is not None:  # LLM.score: each row as the rollout's decode row
-                rows = RowSpec.for_scored_rows(req, lo, hi)
+                rows = req.scored_rows(lo, hi)
             else:
-                rows = replace(RowSpec.for_request(req), noise=None, position_independent=True,
+                rows = replace(req.row(), noise=None, position_independent=True,
                                num_logprobs=req.params.prompt_logprobs)
             targets = to_device(req.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.long, device=self.device)
             tensors = score_prompt_rows(self.model.compute_logits, hidden[job.first_row : job.first_row + hi - lo],
