@@ -123,7 +123,7 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.pool, engine_key, config.enable_prefix_caching,
                                         config.prompt_logprobs_cache_bytes)
         # The scheduler's draft policy decides every step's drafts (spec_decode/policy.py).
-        self.drafts = make_draft_policy(config, self.model, self.tokenizer) if spec else None
+        self.drafts = make_draft_policy(config, self.model, self.tokenizer, self.tp) if spec else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.drafts,
                                    self.prefix_cache)
         # Model drafters draft inside the step, before the verify forward; the others after it.

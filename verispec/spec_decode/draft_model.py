@@ -18,7 +18,7 @@ from verispec.spec_decode.drafter import DraftInputs, ModelDrafter
 
 
 class DraftModelDrafter(ModelDrafter):
-    def __init__(self, cfg: SpeculativeConfig, target, target_tokenizer, engine_config):
+    def __init__(self, cfg: SpeculativeConfig, target, target_tokenizer, engine_config, tp=None):
         # The target's tier; a "gguf" target with an HF draft runs the draft dense in that dtype.
         quantization = engine_config.quantization
         if quantization == "gguf" and not resolve_model_path(cfg.model).is_file():
@@ -33,9 +33,9 @@ class DraftModelDrafter(ModelDrafter):
         tokenizer = load_tokenizer(cfg.model)
         if tokenizer is not None and target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ValueError("speculative_config.model uses a different tokenizer from the target's")
-        # Sharded like the target under tensor parallelism (the same ranks, its own shards).
+        # Sharded like the target under tensor parallelism (the same ranks `tp`, its own shards).
         self.model = build_model(model_cfg, weights, cfg.model, engine_config.dtype, quantization,
-                                 engine_config.device, getattr(target, "tp", None))
+                                 engine_config.device, tp)
         self.kv: KVCacheTensors | None = None
 
     def model_and_cache(self, inputs: DraftInputs):

@@ -17,15 +17,17 @@ from verispec.spec_decode.suffix import SuffixDrafter
 logger = logging.getLogger("verispec")
 
 
-def make_draft_policy(config: EngineConfig, target: LlamaModel, target_tokenizer) -> DraftPolicy:
-    """The engine's draft policy for `config.speculative` (not None), `config.max_model_len` set."""
+def make_draft_policy(config: EngineConfig, target: LlamaModel, target_tokenizer, tp=None) -> DraftPolicy:
+    """The engine's draft policy for `config.speculative` (not None), `config.max_model_len` set;
+    `tp`: the target's tensor-parallel ranks, which a draft model is sharded over too."""
     spec = config.speculative
-    drafter = make_drafter(spec, target, target_tokenizer, config)
+    drafter = make_drafter(spec, target, target_tokenizer, config, tp)
     adaptive = make_adaptive(config, target, drafter) if spec.adaptive_verification else None
     return DraftPolicy(drafter, spec.num_speculative_tokens, config.max_model_len, adaptive)
 
 
-def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, engine_config: EngineConfig) -> Drafter:
+def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, engine_config: EngineConfig,
+                 tp=None) -> Drafter:
     """The drafter of `cfg.method` (validated by SpeculativeConfig: one of SPEC_METHODS)."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
@@ -33,7 +35,7 @@ def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, e
         return SuffixDrafter(cfg)
     if cfg.method == "layer_skip":
         return LayerSkipDrafter(cfg, target.cfg.num_layers)
-    return DraftModelDrafter(cfg, target, target_tokenizer, engine_config)
+    return DraftModelDrafter(cfg, target, target_tokenizer, engine_config, tp)
 
 
 def make_adaptive(config: EngineConfig, model: LlamaModel, drafter: Drafter) -> AdaptiveController:
