@@ -74,7 +74,7 @@ class PrefixResults:
 # ------------------------------------------------------------------ an HTTP server per setting
 class _Server(Server):
     def __init__(self, cache: bool, log_path: Path):
-        super().__init__([sys.executable, "-m", "verispec.entrypoints.cli", "serve", "--port", "{port}", *SERVER_TIER,
+        super().__init__([sys.executable, "-m", "verispec", "serve", "--port", "{port}", *SERVER_TIER,
                           "--enable-prefix-caching" if cache else "--no-enable-prefix-caching", "--log-level",
                           "warning"], log_path)
 

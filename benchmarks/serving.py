@@ -57,7 +57,7 @@ def _throughput(server: Server, prompts: list[str]) -> float:
 
 
 def _verispec_args(model: str, threads: int, spec: bool) -> list[str]:
-    args = [sys.executable, "-m", "verispec.entrypoints.cli", "serve", "--model", model, "--port", "{port}",
+    args = [sys.executable, "-m", "verispec", "serve", "--model", model, "--port", "{port}",
             "--num-threads", str(threads), "--log-level", "warning"]
     return args + (["--speculative-method", "ngram", "--num-speculative-tokens", "5"] if spec else [])
 

@@ -55,3 +55,11 @@ def test_every_engine_option_is_a_flag_with_the_configs_own_default():
         sub = parser._subparsers._group_actions[0].choices[command]
         flags = {f for action in sub._actions for f in action.option_strings}
         assert {"--" + o.name.replace("_", "-") for o in user_options()} <= flags, command
+
+
+def test_python_m_verispec_is_the_command():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "verispec", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and all(cmd in out.stdout for cmd in ("generate", "serve", "bench"))
