@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from verispec import LLM
-from verispec.bench import BenchResult, add_arguments, batch_sizes, format_table, measure
+from verispec.entrypoints.bench import BenchResult, add_arguments, batch_sizes, format_table, measure
 from verispec.entrypoints.cli import main
 
 

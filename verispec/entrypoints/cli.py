@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from verispec import envs
+from verispec.envs import API_KEY, api_key
 from verispec.config import SPEC_METHODS, GrammarLimits, user_options
 
 
@@ -61,8 +61,8 @@ def _speculative_config(args: argparse.Namespace) -> dict | None:
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=envs.api_key(),
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${envs.API_KEY})")
+    p.add_argument("--api-key", default=api_key(),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY})")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the file name)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine-core replicas behind the server, each a whole engine with its own KV cache "
@@ -116,14 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="latency and throughput of verispec alone (peers: python -m benchmarks)")
     _add_engine_args(bench)
-    from verispec.bench import add_arguments
+    from verispec.entrypoints.bench import add_arguments
 
     add_arguments(bench)
     return parser
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from verispec import LLM, SamplingParams
+    from verispec.entrypoints.llm import LLM
+    from verispec.sampling_params import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":
-            from verispec.bench import run
+            from verispec.entrypoints.bench import run
 
             return run(args, engine_options(args))
     except ValueError as exc:  # bad options: one clear line, no traceback

@@ -47,7 +47,7 @@ def batch_sizes(value: str) -> list[int]:
 
 def measure(llm, prompt: list[int], batch: int, max_tokens: int, runs: int) -> BenchResult:
     """One warm-up, then `runs` timed runs of `batch` copies of `prompt` through the engine."""
-    from verispec import SamplingParams
+    from verispec.sampling_params import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -88,7 +88,7 @@ def format_table(results: list[BenchResult]) -> str:
 
 
 def run(args: argparse.Namespace, llm_kwargs: dict) -> int:
-    from verispec import LLM
+    from verispec.entrypoints.llm import LLM
 
     sizes = batch_sizes(args.batch_sizes)
     if args.max_tokens < 1 or args.runs < 1:
