@@ -58,7 +58,7 @@ def test_a_request_that_cannot_be_encoded_fails_alone(wired, monkeypatch):
     original = client._flush_adds
     monkeypatch.setattr(client, "_flush_adds", lambda: (flushed.append(len(client._pending_adds)), original()))
     poisoned = SamplingParams(**GOOD)
-    poisoned.seed = 2**70  # set after validation: msgpack cannot encode it
+    object.__setattr__(poisoned, "seed", 2**70)  # past validation (frozen: forced): msgpack cannot encode it
 
     async def scenario():
         client._tasks = [asyncio.create_task(client._output_loop())]

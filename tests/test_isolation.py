@@ -8,7 +8,7 @@ import pytest
 from test_scheduler import make_request
 from verispec.distributed.comm import WorkerDiedError
 from verispec.worker.isolation import execute_isolating_failures
-from verispec.core.step_types import AdaptivePlan, RequestResult, ScheduledRequest, SchedulerOutput, StepResult
+from verispec.core.step_types import AdaptivePlan, Drafts, RequestResult, ScheduledRequest, SchedulerOutput, StepResult
 from verispec.sample.grammar import GrammarFailed
 
 
@@ -27,7 +27,7 @@ class StandIn:
 
 
 def step(*ids: str, drafts: int = 2) -> SchedulerOutput:
-    return SchedulerOutput([ScheduledRequest(make_request(i, 3), 1, True, [5] * drafts) for i in ids],
+    return SchedulerOutput([ScheduledRequest(make_request(i, 3), 1, True, Drafts((5,) * drafts)) for i in ids],
                            plan=AdaptivePlan(3, ((0.5,),)))
 
 

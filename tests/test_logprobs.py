@@ -90,9 +90,7 @@ def test_every_mode_matches_hf(llm, oracle, mode):
     prompts = random_prompts(len(CASES), 5, 40, seed=11)
     params = []
     for p in CASES:
-        q = p.clone()
-        q.logprobs_mode = mode
-        params.append(q)
+        params.append(replace(p, logprobs_mode=mode))
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, p, out in zip(prompts, params, outs):
         c = out.outputs[0]
@@ -131,8 +129,7 @@ def test_engine_default_mode_and_per_request_override(tiny_llama):
     llm = LLM(tiny_llama, logprobs_mode="processed_logits")
     p = SamplingParams(temperature=0.5, seed=0, max_tokens=2, logprobs=0, ignore_eos=True)
     default = llm.generate([[5, 6, 7]], p, use_tqdm=False)[0].outputs[0]
-    q = p.clone()
-    q.logprobs_mode = "raw_logprobs"
+    q = replace(p, logprobs_mode="raw_logprobs")
     override = llm.generate([[5, 6, 7]], q, use_tqdm=False)[0].outputs[0]
     tok = default.token_ids[0]
     assert default.token_ids == override.token_ids

@@ -11,7 +11,7 @@ import torch
 
 from verispec import SamplingParams
 from verispec.config import LogprobsMode
-from verispec.core.step_types import ScheduledRequest
+from verispec.core.step_types import Drafts, ScheduledRequest
 from verispec.core.request import Request
 from verispec.sample.metadata import RowSpec
 from verispec.sample.noise import RequestNoise
@@ -47,7 +47,7 @@ def run_verify(logits, drafts, num_drafts, q=None, greedy=False, seed=0):
             model_drafts[req.request_id] = ModelDrafts(token_ids=torch.tensor(ids),
                                                        probs=q[i, :d], confidence=q[i, :d].amax(-1))
             ids = [PLACEHOLDER] * d
-        sampled.append(ScheduledRequest(req, 1, True, ids))
+        sampled.append(ScheduledRequest(req, 1, True, Drafts(tuple(ids))))
         first_rows.append(sum(len(x) for x in hidden))
         hidden.append(logits[i, : d + 1])
     meta = SpecDecodeMetadata.build(sampled, first_rows, model_drafts, None, logits.shape[-1], torch.device("cpu"))
