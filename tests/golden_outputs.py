@@ -1,7 +1,8 @@
 """A fixed set of requests run under every engine shape that touches the step's structure (both
 tiers, plain and every drafter, adaptive verification, structured output, tensor parallelism),
 reduced to one digest per shape: the emitted tokens, every logprob and every prompt logprob, bit
-for bit (floats as their hex). tests/test_golden_outputs.py holds the digests against the ones
+for bit (floats as their hex), and the drafting counters (how many drafts were proposed, verified
+and accepted at each position: prompt lookup's tokens are the plain ones whatever it drafts). tests/test_golden_outputs.py holds the digests against the ones
 recorded for this machine's kernels, so a change meant to keep behaviour keeps it exactly.
 
 Adaptive verification runs on a given cost table: a profiled one depends on the machine's timing,
@@ -56,8 +57,14 @@ SMOLLM2_EXACT = {
 }
 
 
-def digest(outputs) -> str:
-    """sha256 of every output's tokens, logprobs (hex) and prompt logprobs (hex)."""
+# The engine's counters that record its drafting decisions (LLM.stats()).
+DRAFT_COUNTERS = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
+                  "adaptive", "num_preemptions")
+
+
+def digest(outputs, stats: dict | None = None) -> str:
+    """sha256 of every output's tokens, logprobs (hex) and prompt logprobs (hex), and of the
+    engine's drafting counters."""
     def rows(table):
         if table is None:
             return None
@@ -71,11 +78,15 @@ def digest(outputs) -> str:
                      for c in out.outputs]}
         for out in outputs
     ]
-    return hashlib.sha256(json.dumps(record).encode()).hexdigest()
+    counters = {k: stats[k] for k in DRAFT_COUNTERS if k in stats} if stats is not None else None
+    return hashlib.sha256(json.dumps([record, counters]).encode()).hexdigest()
 
 
 def _generate(llm, prompts, params) -> str:
-    return digest(llm.generate(prompts, params, use_tqdm=False))
+    """The digest of one batch; the counters are the engine's since it started (a fresh engine per
+    shape, so every shape's first batch counts from zero)."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return digest(outputs, llm.stats())
 
 
 def smollm2_digests(dtype: str, shapes: dict) -> dict[str, str]:
