@@ -82,12 +82,12 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             # Drafts ride along only on a plain decode step, and only as far as the budget allows;
             # their tokens are charged here, and the draft policy decides them once the step is known.
-            spec = min(self.drafts.num_proposed(req), budget - num_new) if num_new == 1 and self.drafts else 0
+            num_drafts = min(self.drafts.num_proposed(req), budget - num_new) if num_new == 1 and self.drafts else 0
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted; everything after it already was
             out.scheduled.append(self._entry(req, num_new))
-            reserved.append(spec)
-            budget -= num_new + spec
+            reserved.append(num_drafts)
+            budget -= num_new + num_drafts
             i += 1
         if len(out.preempted) == num_fair:  # a short pool admits nobody new this step
             self._admit(out, budget, running)
