@@ -74,11 +74,7 @@ class DraftPolicy:
         scheduler reserved for each entry's drafts; `allocate(entry, n)`: gives the entry blocks
         for its known tokens plus n drafts, False when the pool has none (the drafts then wait).
         The proposals of scheduled requests are used up."""
-        offered = [self._proposed.pop(s.request.request_id, NO_DRAFTS).head(r) if r else NO_DRAFTS
-                   for s, r in zip(scheduled, reserved)]
-        for s, r in zip(scheduled, reserved):
-            if not r:
-                self._proposed.pop(s.request.request_id, None)
+        offered = [self._proposed.pop(s.request.request_id, NO_DRAFTS).head(r) for s, r in zip(scheduled, reserved)]
         plan = None
         if self.adaptive is not None:
             counts, plan = self.adaptive.plan(scheduled, offered)
