@@ -1,5 +1,6 @@
 """The import graph of verispec/ and benchmarks/: no cycles (imports inside functions included), and
-the layers below the engine import nothing from it."""
+verispec's layers stacked: a module imports only from its own layer or those below it, type-only
+imports included."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ def _type_checking_only(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports_of(path: Path, known: set[str], name: str) -> set[str]:
+def imports_of(path: Path, known: set[str], name: str, type_only: bool = False) -> set[str]:
     """The project modules `path` imports at run time: at the top or inside a function, but not
-    under `if TYPE_CHECKING:` (annotations only)."""
+    under `if TYPE_CHECKING:` (annotations only) unless `type_only`."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _type_checking_only(node):
+        if isinstance(node, ast.If) and _type_checking_only(node) and not type_only:
             for child in node.orelse:
                 visit(child)
             return
@@ -105,3 +106,35 @@ def test_models_and_spec_decode_import_nothing_from_the_engine():
                                                                       "verispec.sample"))}
     assert {m: sorted(d for d in deps if d.startswith("verispec.engine")) for m, deps in below.items()
             if any(d.startswith("verispec.engine") for d in deps)} == {}
+
+
+# verispec's layers, bottom up: each imports only from its own layer and those below.
+LAYERS = [
+    {"verispec.envs", "verispec.host_memory", "verispec.outputs", "verispec.tokenization", "verispec.device_copy",
+     "verispec.config", "verispec.sampling_params"},
+    {"verispec.models"},
+    {"verispec.distributed", "verispec.sample"},
+    {"verispec.core"},  # the scheduler's world; its draft policy comes in through a protocol
+    {"verispec.spec_decode"},
+    {"verispec.worker"},
+    {"verispec.engine"},
+    {"verispec.entrypoints"},
+    {"verispec", "verispec.__main__"},  # the public names and `python -m verispec`
+]
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: its own entry, else its package's (verispec.core.scheduler -> core)."""
+    for i, layer in enumerate(LAYERS):
+        if module in layer or ".".join(module.split(".")[:2]) in layer:
+            return i
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS")
+
+
+def test_layers_import_only_downward_type_only_imports_included():
+    paths = list((ROOT / "verispec").rglob("*.py"))
+    known = {module_name(p) for p in paths}
+    upward = sorted(f"{module_name(p)} -> {dep}" for p in paths
+                    for dep in imports_of(p, known, module_name(p), type_only=True)
+                    if layer_of(dep) > layer_of(module_name(p)))
+    assert upward == []
