@@ -24,7 +24,9 @@ RECORD = os.environ.get("VERISPEC_RECORD_GOLDEN") == "1"
 
 
 def machine_key() -> str:
-    return f"{kernel_build().describe()} | torch {torch.__version__}"
+    """The kernels' level and packed variant, and torch's release (its CPU kernels are the same
+    code in the CPU and CUDA wheels, so the local build label is left out)."""
+    return f"{kernel_build().describe()} | torch {torch.__version__.split('+')[0]}"
 
 
 @pytest.fixture(scope="module")
