@@ -59,7 +59,7 @@ def test_a_sampled_token_the_grammar_refuses_fails_its_request_in_that_step(llm,
 
     eng = llm.engine
     follow = RequestGrammar.follow
-    monkeypatch.setattr(RequestGrammar, "follow", lambda self, output: follow(self, [5]))  # 5: refused
+    monkeypatch.setattr(RequestGrammar, "follow", lambda self, ids, num_prompt: follow(self, [5], 0))  # 5: refused
     runs, execute = [], eng.runner.execute
     monkeypatch.setattr(eng.runner, "execute", lambda sched: runs.append(sched) or execute(sched))
     eng.add_request("refused", [1, 5, 6], SamplingParams(max_tokens=6, structured_outputs={"choice": ["dark blue"]}))
@@ -133,7 +133,7 @@ def test_min_tokens_with_a_grammar_is_refused_and_a_refused_token_fails_only_its
     eng.add_request("good", [1, 5, 7], SamplingParams(max_tokens=6, temperature=0))
     eng.step()
     bad = next(r for r in eng.scheduler.running if r.request_id == "bad")
-    bad.grammar.follow(bad.output_token_ids + [5])  # 5 is not a prefix of "dark blue"
+    bad.grammar.follow(bad.token_ids + [5], bad.num_prompt_tokens)  # 5 is not a prefix of "dark blue"
     done = {}
     while eng.has_unfinished_requests():
         for out in eng.step():

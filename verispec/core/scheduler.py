@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Protocol
 
 from verispec.core.kv_cache import BlockPool
@@ -102,7 +101,8 @@ class Scheduler:
             return self.pool.allocate(req.request_id, req.num_computed_tokens + entry.num_new_tokens + num_drafts)
 
         drafts, out.plan = self.drafts.decide(out.scheduled, reserved, allocate)
-        out.scheduled = [replace(s, drafts=d) if d else s for s, d in zip(out.scheduled, drafts)]
+        for s, d in zip(out.scheduled, drafts):  # the step's entries, still being built
+            s.drafts = d
 
     def _preempt_for_starved(self, out: SchedulerOutput, running: Counter[str]) -> None:
         """Fair share: when every slot is taken, each waiting group that runs nothing gets one from

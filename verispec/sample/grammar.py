@@ -78,12 +78,14 @@ class RequestGrammar:
             raise GrammarFailed(f"structured output failed: {_first_line(self.matcher.get_error())}")
         return mask
 
-    def follow(self, output_ids: list[int]) -> None:
-        """Follows the request's output past what it followed already (tokens sampled under this
-        grammar's masks). It never raises: a token the grammar refuses leaves the matcher in its
-        error state, which `error` reports (llguidance's mask offers some partial UTF-8 tokens its
+    def follow(self, token_ids: list[int], num_prompt: int) -> None:
+        """Follows the request's output (`token_ids` past the first `num_prompt`) beyond what it
+        followed already: tokens sampled under this grammar's masks. Only the new tokens are
+        sliced. It never raises: a token the grammar refuses leaves the matcher in its error
+        state, which `error` reports (llguidance's mask offers some partial UTF-8 tokens its
         parser then refuses)."""
-        tokens, self.num_followed = output_ids[self.num_followed:], len(output_ids)
+        tokens = token_ids[num_prompt + self.num_followed:]
+        self.num_followed = len(token_ids) - num_prompt
         for token in tokens:
             if self.matcher.is_stopped() or not self.matcher.consume_token(token):
                 return  # complete (what follows is EOS, which ends the request), or refused
@@ -113,7 +115,7 @@ class StructuredOutputs:
         refused = []
         for req in emitted:
             if req.grammar is not None:
-                req.grammar.follow(req.output_token_ids)
+                req.grammar.follow(req.token_ids, req.num_prompt_tokens)
                 if not req.is_finished and (error := req.grammar.error()):
                     refused.append((req, error))
         return refused
