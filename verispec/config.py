@@ -81,7 +81,7 @@ def parse_device(device: "str | torch.device") -> torch.device:
     return dev
 
 
-SPEC_METHODS = ("ngram", "draft_model", "layer_skip", "suffix")
+SPEC_METHODS = ("ngram", "draft_model", "layer_skip", "suffix", "dspark", "dflash")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -96,7 +96,7 @@ class SpeculativeConfig:
     # every rejected draft row costs a verify row; 2..4 measured best here (docs/benchmarks.md).
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: checkpoint with the target's tokenizer
+    model: str | None = None  # draft_model: checkpoint with the target's tokenizer; dspark / dflash: the drafter
     num_layers: int | None = None  # layer_skip: the target's first layers used as the draft
     # Per-request draft budgets decided on the device (spec_decode/adaptive.py).
     adaptive_verification: bool = False
@@ -119,7 +119,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens is None:
+        # dspark / dflash: None until the checkpoint's block says how many drafts it gives.
+        if self.num_speculative_tokens is None and self.method not in ("dspark", "dflash"):
             self.num_speculative_tokens = self.suffix_decoding_max_tree_depth if self.method == "suffix" else 3
 
     @classmethod
@@ -144,7 +145,8 @@ class SpeculativeConfig:
         if self.method == "suffix":
             self._validate_suffix()
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        block_default = k is None and self.method in ("dspark", "dflash")
+        if not block_default and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(
                 f"speculative_config.num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}]; got {k!r}")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -169,8 +171,8 @@ class SpeculativeConfig:
                 raise ValueError(
                     "speculative_config.cost_table must be a non-empty list of [num_tokens >= 1, seconds > 0] pairs"
                 )
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if self.method in ("draft_model", "dspark", "dflash") and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r}")
         if self.method == "layer_skip" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError("speculative_config.num_layers must be an integer >= 1 for method 'layer_skip'")
 

@@ -90,6 +90,20 @@ def _longrope(cfg: ModelConfig, scaling: dict, exponents: torch.Tensor) -> tuple
     return inv_freq, float(attention_factor)
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scale: torch.Tensor | None,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [tables, T, 1, rotary dims], for inverse frequencies [tables, dims / 2]; the
+    sin with rotate_half's sign folded in (`apply_rope`)."""
+    freqs = positions.float()[None, :, None] * inv_freq[:, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    s = freqs.sin()
+    sin = torch.cat((-s, s), dim=-1)[:, :, None, :]
+    cos = emb.cos()
+    if scale is not None:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, with rotate_half's sign folded into signed_sin (negation is
     exact, so the result is bit-identical) to save an op per layer. Tables narrower than the head
@@ -198,6 +212,10 @@ class LlamaModel(nn.Module):
         fam = family(cfg.architecture)
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype)) if fam.embed_scale else None
         self.compiled = None  # set by verispec.models.compile
+        # Layers whose outputs a hidden-state drafter reads (spec_decode/dspark.py): set before the
+        # graph is compiled, as the graph returns them. Each forward keeps them in `captured`.
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -214,14 +232,7 @@ class LlamaModel(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables, [tables, T, 1, rotary dims] (broadcast over heads)."""
-        freqs = positions.float()[None, :, None] * self.inv_freq[:, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        s = freqs.sin()
-        sin = torch.cat((-s, s), dim=-1)[:, :, None, :]  # rotate_half's sign
-        cos = emb.cos()
-        if self.rope_scale is not None:
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        return cos.to(self.dtype), sin.to(self.dtype)
+        return rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches, num_layers: int | None = None):
         """Hidden states after the final norm, [T, hidden], for every token of the flat batch.
@@ -232,8 +243,12 @@ class LlamaModel(nn.Module):
             # some positions differently from ATen's, and a row must compute alike on both.
             cos, sin = self.rope(positions)
             if num_layers is None and self.compiled is not None and self.compiled.takes(input_ids):
-                return self.compiled(input_ids, cos, sin)
-            return self.stack(input_ids, cos, sin, num_layers)
+                out = self.compiled(input_ids, cos, sin)
+            else:
+                out = self.stack(input_ids, cos, sin, num_layers)
+        if self.capture_layers and num_layers is None:
+            out, self.captured = out
+        return out
 
     def stack(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               num_layers: int | None = None) -> torch.Tensor:
@@ -241,10 +256,20 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = [(cos[i], sin[i]) for i in range(cos.shape[0])]
+        capture = self.capture_layers if num_layers is None else ()
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        captured = {}
         for layer in layers:
             x = layer(x, *tables[layer.rope_table])
-        return self.norm(x)
+            if layer.index in capture:
+                captured[layer.index] = x
+        x = self.norm(x)
+        if not capture:
+            return x
+        # In the drafter's order; the last layer's output after the final norm, as HF's
+        # hidden_states give it.
+        captured[len(self.layers) - 1] = x
+        return x, torch.cat([captured[i] for i in capture], dim=-1)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.embed.numel():  # the tied head's packed rows

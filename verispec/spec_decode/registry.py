@@ -10,6 +10,7 @@ from verispec.models.llama import LlamaModel
 from verispec.spec_decode.adaptive import AdaptiveController, CostModel
 from verispec.spec_decode.draft_model import DraftModelDrafter
 from verispec.spec_decode.drafter import Drafter, NgramDrafter
+from verispec.spec_decode.dspark_drafter import DSparkDrafter
 from verispec.spec_decode.layer_skip import LayerSkipDrafter
 from verispec.spec_decode.policy import DraftPolicy
 from verispec.spec_decode.suffix import SuffixDrafter
@@ -35,6 +36,8 @@ def make_drafter(cfg: SpeculativeConfig, target: LlamaModel, target_tokenizer, e
         return SuffixDrafter(cfg)
     if cfg.method == "layer_skip":
         return LayerSkipDrafter(cfg, target.cfg.num_layers)
+    if cfg.method in ("dspark", "dflash"):
+        return DSparkDrafter(cfg, target, engine_config, tp)
     return DraftModelDrafter(cfg, target, target_tokenizer, engine_config, tp)
 
 
