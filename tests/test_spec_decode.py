@@ -4,6 +4,7 @@ verifier alone: test_verify.py; prompt lookup alone: test_ngram.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from conftest import hf_processed, make_tiny_checkpoint, random_prompts
+from dspark_checkpoints import make_dspark_checkpoint
 from test_verify import chi_square
 from verispec import LLM, SamplingParams
 from verispec.spec_decode import rejection
@@ -111,13 +113,21 @@ def sample_pairs(path, prompt, params, n, spec=NGRAM3) -> dict[tuple[int, int], 
 PROMPT16 = [t for tok in range(1, 16) for t in (tok, 0)] + [3]
 
 
-@pytest.mark.parametrize("spec", ["ngram", "layer_skip", "draft_model", "suffix"],
-                         ids=["ngram_one_hot_q", "layer_skip_q", "draft_model_q", "suffix_q"])
+@pytest.fixture(scope="module")
+def dspark16(tmp_path_factory, small_vocab_model) -> str:
+    """A random DSpark drafter for the 16-token model (its Markov head and confidence head on)."""
+    with open(f"{small_vocab_model[0]}/config.json") as f:
+        cfg = json.load(f)
+    return make_dspark_checkpoint(tmp_path_factory.mktemp("dspark16") / "d", cfg, target_layer_ids=(0,), rank=4)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "layer_skip", "draft_model", "suffix", "dspark"],
+                         ids=["ngram_one_hot_q", "layer_skip_q", "draft_model_q", "suffix_q", "dspark_q"])
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
     SamplingParams(temperature=0.9, top_k=6, top_p=0.9, max_tokens=2, ignore_eos=True),
 ], ids=["plain", "topk_topp"])
-def test_speculative_distribution_matches_target(small_vocab_model, other_draft, params, spec):
+def test_speculative_distribution_matches_target(small_vocab_model, other_draft, dspark16, params, spec):
     path, model = small_vocab_model
     spec = {
         "ngram": NGRAM3,
@@ -126,6 +136,8 @@ def test_speculative_distribution_matches_target(small_vocab_model, other_draft,
         # Each wave of 256 requests drafts its second token from the earlier waves' (and, through
         # the prompt, its own): q is the empirical distribution of what followed.
         "suffix": {"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.0},
+        # Drafts drawn slot by slot from q, the Markov bias chained on the draft before.
+        "dspark": {"method": "dspark", "model": dspark16, "num_speculative_tokens": 2},
     }[spec]
     n = 3000
     exact = exact_two_token_distribution(model, PROMPT16, params)

@@ -271,14 +271,18 @@ class AdaptiveStats:
 class AdaptiveController:
     """Host side of adaptive verification: confidences, the budget, the trim, the statistics."""
 
-    def __init__(self, k: int, cost: CostModel, exact_host_scores: bool):
+    def __init__(self, k: int, cost: CostModel, exact_host_scores: bool, calibrated: bool = False):
+        """calibrated: the drafter's confidences are already chances of acceptance (DSpark's
+        confidence head), so each bucket starts at its own middle instead of the prior."""
         self.cost = cost
         # ngram: the host's scores are this step's own, so the trim is exact and needs no slack.
         self.exact_host_scores = exact_host_scores
         self.global_confidence = [PRIOR_CONFIDENCE] * k
         # q peak -> acceptance rate, one table for greedy requests and one for random ones, and
         # how many outcomes each bucket has seen.
-        self.calibration = [[PRIOR_CONFIDENCE] * len(Q_BUCKET_EDGES) for _ in range(2)]
+        start = ([(lo + hi) / 2 for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:] + (1.0,))] if calibrated
+                 else [PRIOR_CONFIDENCE] * len(Q_BUCKET_EDGES))
+        self.calibration = [list(start) for _ in range(2)]
         self.calibration_counts = [[0] * len(Q_BUCKET_EDGES) for _ in range(2)]
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
         self.refused = 0  # planned steps in a row whose budget was 0

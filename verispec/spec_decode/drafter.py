@@ -54,9 +54,11 @@ def needs_token_values(req: Request) -> bool:
 
 class Drafter(Protocol):
     """What the draft policy (spec_decode/policy.py) asks of every drafter. `drafts_in_step`: a
-    `ModelDrafter`, whose drafts are placeholders until it drafts inside the next step."""
+    `ModelDrafter`, whose drafts are placeholders until it drafts inside the next step;
+    `calibrated`: its confidences are chances of acceptance already (adaptive verification)."""
 
     drafts_in_step: bool
+    calibrated: bool
 
     def propose(self, running: list[Request], rooms: list[int]) -> dict[str, Drafts]:
         """Drafts for the next step, by request id: at most rooms[i] for running[i] (0: none)."""
@@ -70,6 +72,7 @@ class NgramDrafter:
     last n tokens."""
 
     drafts_in_step = False
+    calibrated = False
 
     def __init__(self, cfg: SpeculativeConfig):
         self.n_min, self.n_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
@@ -95,6 +98,7 @@ class ModelDrafter:
     (`observe`) to keep its own cache in step."""
 
     drafts_in_step = True
+    calibrated = False
     num_layers: int | None = None  # layers of the drafting model to run (None: all)
 
     def propose(self, running: list[Request], rooms: list[int]) -> dict[str, Drafts]:

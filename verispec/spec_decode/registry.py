@@ -52,4 +52,5 @@ def make_adaptive(config: EngineConfig, model: LlamaModel, drafter: Drafter) -> 
         cost = CostModel.profile(model, config.block_size, most, config.device)
         logger.info("adaptive verification cost table: %s",
                     ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(cost.tokens, cost.seconds)))
-    return AdaptiveController(k, cost, exact_host_scores=not drafter.drafts_in_step)
+    return AdaptiveController(k, cost, exact_host_scores=not drafter.drafts_in_step,
+                              calibrated=drafter.calibrated)

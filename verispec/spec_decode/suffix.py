@@ -136,6 +136,7 @@ class SuffixDrafter:
     """Proposes at the end of a step, like prompt lookup, with q for random requests."""
 
     drafts_in_step = False
+    calibrated = False
 
     def __init__(self, cfg: SpeculativeConfig):
         try:  # built (once per machine) and loaded at start-up, not in a request's first step

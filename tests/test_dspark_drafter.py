@@ -1,0 +1,149 @@
+"""The DSpark / DFlash drafter in the engine (verispec/spec_decode/dspark_drafter.py): lossless
+output and exact logprobs beside plain decoding, its context cache through prefix caching and
+preemption, adaptive verification on its confidence head, and the errors a user can meet."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_checkpoint, random_prompts
+from dspark_checkpoints import make_dspark_checkpoint
+from test_spec_decode import assert_same_logprobs, run_with_and_without
+from verispec import LLM, SamplingParams
+from verispec.spec_decode.dspark_drafter import DSparkDrafter
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("dspark_engine") / "t", "llama", num_hidden_layers=4)
+    with open(f"{path}/config.json") as f:
+        return path, json.load(f)
+
+
+def bigram_drafter(path: str, cfg: dict, prompts, dtype: str, out, **engine_kw) -> str:
+    """A drafter whose Markov head holds the target's own greedy bigrams in `dtype` (bias 20):
+    most of its drafts are accepted, so acceptance paths run as much as rejections."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outs = LLM(path, dtype=dtype, **engine_kw).generate(prompts, params, use_tqdm=False)
+    vocab = cfg["vocab_size"]
+    counts = torch.zeros(vocab, vocab)
+    for p, o in zip(prompts, outs):
+        seq = p + o.outputs[0].token_ids
+        for a, b in zip(seq, seq[1:]):
+            counts[a, b] += 1
+    bias = torch.zeros(vocab, vocab)
+    bias[torch.arange(vocab), counts.argmax(1)] = 20.0 * (counts.sum(1) > 0)
+    return make_dspark_checkpoint(out, cfg, markov=bias, block=6)
+
+
+PROMPTS = random_prompts(8, 5, 30, seed=7)
+
+
+@pytest.fixture(scope="module")
+def hitting(target, tmp_path_factory):
+    """(the fp32 bigram drafter, its prompts)"""
+    return bigram_drafter(*target, PROMPTS, "float32", tmp_path_factory.mktemp("hit") / "d"), PROMPTS
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_output_equals_plain_and_drafts_land(target, hitting, tmp_path, dtype, batch):
+    path, cfg = target
+    ckpt, prompts = hitting
+    if dtype != "float32":  # its greedy paths are its own
+        ckpt = bigram_drafter(path, cfg, prompts, dtype, tmp_path / "d", block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    _, _, stats = run_with_and_without(path, prompts[:batch], params, {"method": "dspark", "model": ckpt},
+                                       dtype=dtype, block_size=4)
+    assert stats["num_draft_tokens"] > 0
+    # A random drafter lands nothing here; the bigrams (ambiguous across prompts) land often.
+    assert stats["num_accepted_tokens"] / stats["num_drafts"] > 0.7
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_default_draft_count_is_the_block(target, hitting):
+    llm = LLM(target[0], speculative_config={"method": "dspark", "model": hitting[0]})
+    assert llm.engine.drafts.k == 6  # block 6, every slot predicts
+
+
+@pytest.mark.parametrize("kw, method", [({"rank": 0, "confidence": False}, "dflash"), ({}, "dspark")])
+def test_logprobs_equal_plain(target, hitting, tmp_path, kw, method):
+    """Every logprobs mode; penalties read the drafts' values on the device. (Random requests
+    are verified against q, so their outputs are equal in distribution: test_spec_decode.py.)"""
+    path, cfg = target
+    ckpt = hitting[0] if method == "dspark" else make_dspark_checkpoint(tmp_path / "d", cfg, **kw)
+    prompts = hitting[1][:4]
+    params = [SamplingParams(temperature=0, max_tokens=32, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=32, logprobs=2, repetition_penalty=1.2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=32, logprobs=1, presence_penalty=0.5, ignore_eos=True,
+                             logprobs_mode="processed_logprobs"),
+              SamplingParams(temperature=0, max_tokens=32, logprobs=2, top_k=4, ignore_eos=True, logprobs_mode="raw_logits")]
+    spec = {"method": method, "model": ckpt, "num_speculative_tokens": 3}
+    base, out, stats = run_with_and_without(path, prompts, params, spec, dtype="float32")
+    assert stats["num_draft_tokens"] > 0
+    assert_same_logprobs(base, out)
+
+
+def test_context_survives_prefix_caching_and_preemption(target, hitting):
+    """Blocks reused from the prefix cache hold the drafter's context too, and a preempted request
+    recomputes both: the output and the drafts' acceptance equal an unpressed engine's."""
+    path, _ = target
+    ckpt, prompts = hitting
+    prompts = [prompts[0] + p[:3] for p in prompts]  # a shared prefix
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "dspark", "model": ckpt, "num_speculative_tokens": 4}
+    calm = LLM(path, dtype="float32", block_size=4, enable_prefix_caching=False, speculative_config=spec)
+    want = calm.generate(prompts, params, use_tqdm=False)
+    calm_rate = calm.stats()["num_accepted_tokens"] / calm.stats()["num_drafts"]
+    pressed = LLM(path, dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
+                  enable_prefix_caching=True, speculative_config=spec)
+    got = pressed.generate(prompts, params, use_tqdm=False)
+    stats = pressed.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # As many drafts land: a stale or missing context would draft worse.
+    assert stats["num_accepted_tokens"] / stats["num_drafts"] > 0.8 * calm_rate
+
+
+def test_adaptive_verification_on_the_confidence_head(target, hitting):
+    path, _ = target
+    ckpt, prompts = hitting
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    spec = {"method": "dspark", "model": ckpt, "adaptive_verification": True,
+            "cost_table": [[1, 0.010], [8, 0.011], [64, 0.030]]}
+    _, _, stats = run_with_and_without(path, prompts, params, spec, dtype="float32")
+    assert stats["adaptive"]["admitted_total"] > 0 and stats["num_accepted_tokens"] > 0
+    llm = LLM(path, speculative_config=spec)
+    table = llm.engine.drafts.adaptive.calibration[0]
+    assert table[0] < 0.05 and table[-1] > 0.95  # the head's chances, not the 0.8 prior
+
+
+@pytest.mark.parametrize("spec, kw, message", [
+    ({"method": "dspark"}, {"rank": 0, "confidence": False}, "method 'dflash'"),
+    ({"method": "dflash"}, {}, "method 'dspark'"),
+    ({"method": "dspark", "num_speculative_tokens": 5}, {"block": 4}, "num_speculative_tokens=5 exceeds"),
+])
+def test_user_errors_name_the_fix(target, tmp_path, spec, kw, message):
+    ckpt = make_dspark_checkpoint(tmp_path / "d", target[1], **kw)
+    with pytest.raises(ValueError, match=message):
+        LLM(target[0], speculative_config={**spec, "model": ckpt})
+
+
+def test_model_is_required():
+    from verispec.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="speculative_config.model is required for method 'dspark'"):
+        SpeculativeConfig.parse({"method": "dspark"})
+
+
+def test_the_target_hands_over_its_layers_once_per_forward(target, hitting):
+    """The captured states go to the drafter and are dropped: none is read twice."""
+    llm = LLM(target[0], speculative_config={"method": "dspark", "model": hitting[0]})
+    model = llm.engine.model
+    assert model.capture_layers == (0, 2)
+    llm.generate([hitting[1][0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert model.captured is None
+    assert isinstance(llm.engine.drafts.drafter, DSparkDrafter)
