@@ -52,13 +52,15 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(LAYOUTS) + ["dspark_compiled"])
 def test_every_draft_equals_the_reference(target, tmp_path, monkeypatch, layout):
+    """dspark_compiled: the target's compiled graph returns the layers the drafter reads."""
     path, cfg, hf = target
-    kw, method = LAYOUTS[layout]
+    kw, method = LAYOUTS[layout.removesuffix("_compiled")]
     ckpt = make_dspark_checkpoint(tmp_path / "d", cfg, **kw)
     prompts = random_prompts(3, 5, 40, seed=1)
-    llm = dict(model=path, dtype="float32", block_size=4,
+    compiled = layout.endswith("_compiled")
+    llm = dict(model=path, dtype="float32", block_size=16 if compiled else 4, enforce_eager=not compiled,
                speculative_config={"method": method, "model": ckpt, "num_speculative_tokens": 3})
     seen = recorded_drafts(monkeypatch, llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert len(seen) >= 30
