@@ -118,6 +118,7 @@ LAYERS = [
     {"verispec.spec_decode"},
     {"verispec.worker"},
     {"verispec.engine"},
+    {"verispec.train"},  # a drafter's training: data from a model handed in, nothing of the engine's
     {"verispec.entrypoints"},
     {"verispec", "verispec.__main__"},  # the public names and `python -m verispec`
 ]

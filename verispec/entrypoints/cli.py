@@ -1,4 +1,5 @@
-"""verispec command line: `verispec generate`, `verispec serve` and `verispec bench` (verispec alone)."""
+"""verispec command line: `verispec generate`, `verispec serve`, `verispec bench` (verispec alone) and
+`verispec train-drafter` (a DSpark drafter trained on the target's own answers)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.entrypoints.bench import add_arguments
 
     add_arguments(bench)
+    trainer = sub.add_parser("train-drafter", help="train a DSpark drafter on the target's own answers (resumable)")
+    _add_engine_args(trainer)
+    from verispec.entrypoints import train_drafter
+
+    train_drafter.add_arguments(trainer)
     return parser
 
 
@@ -224,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
             from verispec.entrypoints.bench import run
 
             return run(args, engine_options(args))
+        if args.command == "train-drafter":
+            from verispec.entrypoints.train_drafter import run as train
+
+            return train(args, engine_options(args))
     except ValueError as exc:  # bad options: one clear line, no traceback
         print(f"verispec: error: {exc}", file=sys.stderr)
         return 2
