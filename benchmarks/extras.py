@@ -1,6 +1,6 @@
 """The verispec-only scenarios that run after the systems' tables, each with its own measurement,
 report and check: prefix caching, structured output, tensor parallelism, the cost curve, weight
-updates, suffix decoding, real files and serving (the last two named only). One entry per scenario, so the runner loops instead of naming each."""
+updates, suffix decoding, DSpark drafting, real files and serving (the last two named only). One entry per scenario, so the runner loops instead of naming each."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.cost_curve import run_cost_curve, write_curve
+from benchmarks.dspark import run_dspark, write_dspark
 from benchmarks.formats import run_formats, write_formats
 from benchmarks.options import BenchConfig
 from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.serving import run_serving, write_serving
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.scenarios import (
-    COST_SCENARIO, FORMATS_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, SERVING_SCENARIO, STRUCTURED_SCENARIO,
+    COST_SCENARIO, DSPARK_SCENARIO, FORMATS_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, SERVING_SCENARIO, STRUCTURED_SCENARIO,
     SUFFIX_SCENARIO, WEIGHTS_SCENARIO,
 )
 from benchmarks.structured import run_structured, write_structured
@@ -33,6 +34,10 @@ def _suffix_check(rows: Any) -> str | None:
     if any(r.identical == "NO" for r in rows):
         return "a speculative run's greedy output differs from the plain one"
     return None
+
+
+def _dspark_check(results: Any) -> str | None:
+    return _suffix_check(results["rows"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +67,9 @@ EXTRAS: tuple[Extra, ...] = (
     Extra(SUFFIX_SCENARIO, "suffix decoding against ngram and plain: agent loop, code edit, RL rollouts "
           "(verispec, in process)", "suffix decoding, three workloads",
           lambda c, tok, log: run_suffix(c.quick, c.max_tokens, c.runs, log), write_suffix, _suffix_check),
+    Extra(DSPARK_SCENARIO, "DSpark drafting against plain, ngram and suffix on chat questions it never trained on "
+          "(verispec, in process)", "DSpark drafting on chat, greedy and T=0.8, batch 1 and 16",
+          lambda c, tok, log: run_dspark(c.quick, c.max_tokens, c.threads, log), write_dspark, _dspark_check),
     Extra(FORMATS_SCENARIO, "real files: a 1B model in Q4_K_M, Q4_0 and Q8_0 against llama-bench (fresh processes)",
           "GGUF types on a 1B model against llama-bench",
           lambda c, tok, log: run_formats(c.quick, log), write_formats),

@@ -61,11 +61,13 @@ COST_SCENARIO = "cost"
 WEIGHTS_SCENARIO = "weights"
 # Suffix decoding against prompt lookup and no drafter, three workloads (verispec only): see benchmarks/suffix.py.
 SUFFIX_SCENARIO = "suffix"
+# DSpark drafting against plain, ngram and suffix on chat (verispec only): see benchmarks/dspark.py.
+DSPARK_SCENARIO = "dspark"
 FORMATS_SCENARIO = "formats"  # named only: it writes a 1B model once (benchmarks/formats.py)
 SERVING_SCENARIO = "serving"  # named only: verispec serve against llama-server (benchmarks/serving.py)
 NAMED_ONLY = (FORMATS_SCENARIO, SERVING_SCENARIO)
 ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO,
-                 COST_SCENARIO, WEIGHTS_SCENARIO, SUFFIX_SCENARIO)
+                 COST_SCENARIO, WEIGHTS_SCENARIO, SUFFIX_SCENARIO, DSPARK_SCENARIO)
 
 
 def headlines() -> dict[str, str]:

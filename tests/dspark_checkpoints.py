@@ -18,9 +18,10 @@ MASK = 3
 def make_dspark_checkpoint(path, target_cfg: dict, *, layers: int = 1, block: int = 4, rank: int = 8,
                            confidence: bool = True, draft_vocab: int | None = None, target_layer_ids=(0, 2),
                            anchor: bool | None = None, top_level: bool = False, prefix: str = "", seed: int = 0,
-                           markov: torch.Tensor | None = None) -> str:
+                           markov: torch.Tensor | None = None, own_head: bool = True) -> str:
     """A random drafter for a target of config `target_cfg`. rank 0: no Markov head; `markov`:
-    given [V, V] bias rows (rank V). draft_vocab: a reduced vocabulary, the target's odd ids."""
+    given [V, V] bias rows (rank V). draft_vocab: a reduced vocabulary, the target's odd ids, with
+    its own head rows, or (own_head=False) the target's."""
     g = torch.Generator().manual_seed(seed)
     hidden, vocab = target_cfg["hidden_size"], target_cfg["vocab_size"]
     heads, kv_heads, head_dim, inter = 4, 2, 16, 96
@@ -42,7 +43,8 @@ def make_dspark_checkpoint(path, target_cfg: dict, *, layers: int = 1, block: in
     if draft_vocab:
         ids = torch.arange(1, 2 * draft_vocab, 2)[:draft_vocab]
         t["d2t"] = ids - torch.arange(draft_vocab)  # offsets: target id = draft id + d2t[draft id]
-        t["lm_head.weight"] = rand(vd, hidden, s=1.0)
+        if own_head:
+            t["lm_head.weight"] = rand(vd, hidden, s=1.0)
     if markov is not None:
         rank = markov.shape[0]
         t["markov_w1"], t["markov_w2"] = torch.eye(rank), markov.t().contiguous()
@@ -112,7 +114,9 @@ def reference_drafts(ckpt: str, hf_target, tokens: list[int], k: int) -> list[in
         h = _rms(x, p("post_attention_layernorm"))
         x = x + (torch.nn.functional.silu(h @ p("mlp.gate_proj").t()) * (h @ p("mlp.up_proj").t())) @ p("mlp.down_proj").t()
     h = _rms(x, t["norm.weight"])
-    head = t["lm_head.weight"] if "d2t" in t else hf_target.get_output_embeddings().weight.float()
+    head = hf_target.get_output_embeddings().weight.float()
+    if "d2t" in t:
+        head = t["lm_head.weight"] if "lm_head.weight" in t else head[torch.arange(len(t["d2t"])) + t["d2t"].long()]
     logits = h @ head.t()
     out, prev = [], tokens[c]
     for j in range(k):

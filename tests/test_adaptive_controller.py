@@ -89,3 +89,20 @@ def test_a_streak_of_refused_steps_spaces_out_the_drafters_proposals_and_one_adm
         pass
     assert step(0.9) == [2, 2, 2, 2] and ctl.refused == 0
     assert [ctl.should_draft() for _ in range(3)] == [True] * 3
+
+
+def test_calibration_stats_count_each_tested_draft_in_its_tenth():
+    """Drafts after the first rejection were never tested and are not counted; a drafter whose
+    confidences are chances (DSpark's head) starts each bucket at its middle."""
+    from types import SimpleNamespace
+
+    ctl = AdaptiveController(4, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=False, calibrated=True)
+    req = SimpleNamespace(request_id="r", params=SimpleNamespace(greedy=True))
+    ctl.observe(req, 4, 1, [0.95, 0.42, 0.48, 0.9])  # 0.95 accepted, 0.42 rejected, the rest untested
+    ctl.observe(req, 2, 2, [0.91, 0.05])
+    tenths = ctl.stats.calibration
+    assert tenths[9] == [2, pytest.approx(1.86), 2] and tenths[4] == [1, pytest.approx(0.42), 0]
+    assert tenths[0] == [1, pytest.approx(0.05), 1] and sum(t[0] for t in tenths) == 4
+    fresh = AdaptiveController(4, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=False, calibrated=True)
+    assert calibrated(fresh, 0.03, greedy=True) == pytest.approx(0.035)
+    assert calibrated(fresh, 0.99, greedy=False) == pytest.approx(0.99)

@@ -35,7 +35,7 @@ def test_defaults_and_quick():
     full = resolve(bench_args())
     assert (full.max_tokens, full.runs, full.quick) == (128, 3, False)
     assert full.peers == ["hf", "llamacpp"]
-    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost", "weights", "suffix"]
+    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost", "weights", "suffix", "dspark"]
     quick = resolve(bench_args("--quick", "--out", "x"))
     assert (quick.max_tokens, quick.runs, quick.out) == (32, 1, Path("x"))
 
@@ -349,3 +349,31 @@ def test_suffix_targets_read_the_rows_ratios():
     assert found["exact rl suffix: drafter host time / wall (batch 16)"].ratio == pytest.approx(0.02)
     table = format_suffix(rows)
     assert "| exact | agent | suffix | 24.0 | 2.40x | 3.00 |" in table and "NO" in table
+
+
+def test_dspark_table_and_targets_read_the_rows():
+    from benchmarks.dspark import DSparkRow, _mark_identical, format_dspark, targets
+
+    rows = []
+    for variant, speed in (("plain", 10.0), ("ngram+adaptive", 11.0), ("suffix+adaptive", 10.5), ("dspark", 16.0),
+                           ("dspark+adaptive", 19.0)):
+        for mode in ("greedy", "T=0.8"):
+            for batch in (1, 16):
+                out = [[1, 2, 3]] if variant != "dspark" or batch == 1 else [[1, 2, 4]]
+                rows.append(DSparkRow(variant, mode, batch, tokens=int(speed * 10), seconds=10.0, drafts=10,
+                                      accepted=25 if variant.startswith("dspark") else 5, outputs=out))
+    _mark_identical(rows)
+    calibration = [{"confidence": "0.9-1.0", "drafts": 40, "predicted": 0.93, "accepted": 0.88},
+                   {"confidence": "0.0-0.1", "drafts": 3, "predicted": 0.05, "accepted": 0.9}]  # too few: not judged
+    results = {"rows": rows, "calibration": calibration,
+               "extractive": {"plain": 30.0, "ngram+adaptive": 50.0, "suffix+adaptive": 45.0, "dspark": 40.0,
+                              "dspark+adaptive": 55.0}}
+    found = {t["target"]: t for t in targets(results)}
+    assert found["batch 1, greedy: dspark+adaptive / plain >= 1.8"] == {
+        "target": "batch 1, greedy: dspark+adaptive / plain >= 1.8", "value": 1.9, "met": True}
+    assert found["mean acceptance length (greedy, batch 1) >= 3"]["value"] == 3.5
+    assert found["calibration per tenth (>= 20 drafts) within 0.1"]["met"]
+    assert found["extractive: best drafter with dspark no slower than without"]["value"] == 1.1
+    table = format_dspark(results)
+    assert "| dspark | greedy | 16 | 16.0 | 1.60x | 3.50 | NO |" in table and "| T=0.8 | 1 |" in table
+    assert "| 0.9-1.0 | 40 | 0.93 | 0.88 |" in table

@@ -48,6 +48,7 @@ LAYOUTS = {
     "dspark": ({}, "dspark"),
     "dflash": ({"rank": 0, "confidence": False}, "dflash"),
     "reduced_vocab_two_layers": ({"draft_vocab": 100, "layers": 2, "block": 5}, "dspark"),
+    "reduced_vocab_target_head_rows": ({"draft_vocab": 100, "own_head": False}, "dspark"),
     "top_level_config_one_layer_id": ({"top_level": True, "target_layer_ids": (1,), "prefix": "model."}, "dspark"),
 }
 

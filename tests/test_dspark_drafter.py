@@ -132,11 +132,13 @@ def test_user_errors_name_the_fix(target, tmp_path, spec, kw, message):
         LLM(target[0], speculative_config={**spec, "model": ckpt})
 
 
-def test_model_is_required():
+def test_dflash_needs_a_model_and_the_shipped_drafter_fits_only_its_target(target):
     from verispec.config import SpeculativeConfig
 
-    with pytest.raises(ValueError, match="speculative_config.model is required for method 'dspark'"):
-        SpeculativeConfig.parse({"method": "dspark"})
+    with pytest.raises(ValueError, match="speculative_config.model is required for method 'dflash'"):
+        SpeculativeConfig.parse({"method": "dflash"})
+    with pytest.raises(ValueError, match="ships is for SmolLM2-135M-Instruct .*verispec train-drafter"):
+        LLM(target[0], speculative_config={"method": "dspark"})
 
 
 def test_the_target_hands_over_its_layers_once_per_forward(target, hitting):

@@ -41,7 +41,8 @@ def test_export_serves_what_it_trained(tmp_path):
     model = tiny_drafter()
     model.export(tmp_path / "d", dtype=torch.float32)
     cfg, tensors = read_dspark_checkpoint(tmp_path / "d")
-    served = DSparkModel(cfg, tensors, 512, torch.float32, torch.device("cpu"))
+    assert "lm_head.weight" not in tensors  # the target's rows, taken from the target
+    served = DSparkModel(cfg, tensors, 512, torch.float32, torch.device("cpu"), head_rows=lambda ids: model.embed[ids])
     sample = tiny_sample()
     batch = make_batch([sample], 4, 5, torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -96,7 +96,9 @@ class SpeculativeConfig:
     # every rejected draft row costs a verify row; 2..4 measured best here (docs/benchmarks.md).
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    model: str | None = None  # draft_model: checkpoint with the target's tokenizer; dspark / dflash: the drafter
+    # draft_model: checkpoint with the target's tokenizer; dspark / dflash: the drafter (dspark: default
+    # the one shipped for the default model, SmolLM2-135M-Instruct)
+    model: str | None = None
     num_layers: int | None = None  # layer_skip: the target's first layers used as the draft
     # Per-request draft budgets decided on the device (spec_decode/adaptive.py).
     adaptive_verification: bool = False
@@ -171,7 +173,8 @@ class SpeculativeConfig:
                 raise ValueError(
                     "speculative_config.cost_table must be a non-empty list of [num_tokens >= 1, seconds > 0] pairs"
                 )
-        if self.method in ("draft_model", "dspark", "dflash") and not self.model:
+        # dspark alone: the drafter shipped for the default model.
+        if self.method in ("draft_model", "dflash") and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
         if self.method == "layer_skip" and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError("speculative_config.num_layers must be an integer >= 1 for method 'layer_skip'")

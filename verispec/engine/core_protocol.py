@@ -148,6 +148,7 @@ class EngineStats(msgspec.Struct):
     adaptive_drafted_tokens: int = 0
     adaptive_admitted_tokens: int = 0
     adaptive_capacity_histogram: list[int] = msgspec.field(default_factory=list)
+    adaptive_calibration: list[list[float]] = msgspec.field(default_factory=list)
     # Prefix caching, in tokens (queries: prompt tokens looked up at admission) and rows.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -191,6 +192,10 @@ class EngineStats(msgspec.Struct):
                 "admitted_total": self.adaptive_admitted_tokens,
                 "mean_admitted_per_step": self.adaptive_admitted_tokens / steps if steps else 0.0,
                 "capacity_histogram": list(self.adaptive_capacity_histogram),
+                # Per tenth of confidence: drafts tested, mean confidence, rate accepted.
+                "calibration": [{"confidence": f"{i / 10:.1f}-{(i + 1) / 10:.1f}", "drafts": int(n),
+                                 "predicted": total / n if n else None, "accepted": hit / n if n else None}
+                                for i, (n, total, hit) in enumerate(self.adaptive_calibration)],
             }
         return out
 

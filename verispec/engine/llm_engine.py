@@ -379,6 +379,7 @@ class LLMEngine:
             adaptive_drafted_tokens=adaptive.drafted_total if adaptive else 0,
             adaptive_admitted_tokens=adaptive.admitted_total if adaptive else 0,
             adaptive_capacity_histogram=list(adaptive.capacity_histogram) if adaptive else [],
+            adaptive_calibration=[list(t) for t in adaptive.calibration] if adaptive else [],
             prefix_cache_queries=cache.num_queries,
             prefix_cache_hits=cache.num_hits,
             prefix_cache_prompt_rows_hits=cache.num_prompt_rows_hit,

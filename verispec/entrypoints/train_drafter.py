@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from verispec.models.dspark import target_head_rows
 from verispec.train.distill import build_shards, chat_ids, load_samples
 from verispec.train.dspark_model import DrafterShape, TrainableDSpark
 from verispec.train.prompts import held_out_prompts, training_prompts
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace, options: dict) -> int:
         rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, vocab_size=cfg.vocab_size)
     with torch.no_grad():
         embed = model.embed_tokens(torch.arange(cfg.vocab_size, device=model.embed.device)).float().cpu()
-    drafter = TrainableDSpark(shape, embed, draft_ids)
+    drafter = TrainableDSpark(shape, embed, draft_ids, head=target_head_rows(model).cpu())
     config = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors, lr=args.lr)
     with tqdm(total=args.steps, desc="training", unit="step") as bar:
         def progress(step, total, entry):

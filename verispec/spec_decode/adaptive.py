@@ -266,6 +266,10 @@ class AdaptiveStats:
     drafted_total: int = 0  # drafts run through the forward (after the host's trim)
     admitted_total: int = 0  # drafts that got logits and verification
     capacity_histogram: list[int] = field(default_factory=list)  # [c] = requests verified with c drafts
+    # Per tenth of raw confidence (q peak, or a confidence head's chance): [drafts tested, their
+    # confidences' sum, how many were accepted]; a draft is tested when every draft before it was
+    # accepted. Predicted against observed: the drafter's calibration.
+    calibration: list[list[float]] = field(default_factory=lambda: [[0, 0.0, 0] for _ in range(10)])
 
 
 class AdaptiveController:
@@ -384,6 +388,8 @@ class AdaptiveController:
             conf[j] += REQUEST_EMA * (outcome - conf[j])
             self.global_confidence[j] += GLOBAL_EMA * (outcome - self.global_confidence[j])
             if q is not None:
+                tenth = self.stats.calibration[min(9, int(q[j] * 10))]
+                tenth[0], tenth[1], tenth[2] = tenth[0] + 1, tenth[1] + q[j], tenth[2] + outcome
                 b = q_bucket(q[j])
                 counts[b] += 1
                 table[b] += max(GLOBAL_EMA, 1.0 / (counts[b] + PRIOR_WEIGHT)) * (outcome - table[b])

@@ -24,8 +24,9 @@ import torch
 
 from verispec.config import EngineConfig, SpeculativeConfig
 from verispec.device_copy import to_device
-from verispec.models.dspark import DSparkModel
+from verispec.models.dspark import DSparkModel, target_head_rows
 from verispec.models.dspark_checkpoint import check_against_target, read_dspark_checkpoint
+from verispec.models.default import default_drafter_path
 from verispec.models.llama import LlamaModel
 from verispec.sample.metadata import SamplingMetadata
 from verispec.sample.processors import apply_processors
@@ -38,8 +39,15 @@ class DSparkDrafter(ModelDrafter):
     def __init__(self, cfg: SpeculativeConfig, target: LlamaModel, engine_config: EngineConfig, tp=None):
         if tp is not None:
             raise ValueError(f"speculative_config.method {cfg.method!r} does not run under tensor parallelism")
-        dcfg, tensors = read_dspark_checkpoint(cfg.model)
-        check_against_target(dcfg, tensors, target.cfg)
+        path = cfg.model or default_drafter_path()
+        dcfg, tensors = read_dspark_checkpoint(path)
+        try:
+            check_against_target(dcfg, tensors, target.cfg)
+        except ValueError as exc:
+            if cfg.model:
+                raise
+            raise ValueError(f"the DSpark drafter verispec ships is for SmolLM2-135M-Instruct ({exc}); give "
+                             "speculative_config.model, a drafter made for this target (verispec train-drafter)") from None
         if cfg.method == "dspark" and not dcfg.is_dspark:
             raise ValueError("speculative_config.model has neither a Markov nor a confidence head: it is a DFlash "
                              "checkpoint (method 'dflash')")
@@ -51,7 +59,8 @@ class DSparkDrafter(ModelDrafter):
             raise ValueError(f"speculative_config.num_speculative_tokens={cfg.num_speculative_tokens} exceeds the "
                              f"{dcfg.max_drafts} drafts this drafter's block of {dcfg.block_size} gives")
         self.cfg = dcfg
-        self.model = DSparkModel(dcfg, tensors, target.cfg.vocab_size, target.dtype, engine_config.device)
+        self.model = DSparkModel(dcfg, tensors, target.cfg.vocab_size, target.dtype, engine_config.device,
+                                 head_rows=lambda ids: target_head_rows(target)[ids])
         # Its confidences are the head's acceptance chances, not q peaks: calibrated from the start.
         self.calibrated = dcfg.confidence_head
         target.capture_layers = dcfg.target_layer_ids  # before the target's graph is compiled

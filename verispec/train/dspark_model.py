@@ -98,9 +98,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class TrainableDSpark(nn.Module):
-    def __init__(self, shape: DrafterShape, embed: torch.Tensor, draft_ids: torch.Tensor):
-        """embed: the target's [V, H] embedding (also its tied head); draft_ids: the target ids of
-        the draft vocabulary, [Vd]."""
+    def __init__(self, shape: DrafterShape, embed: torch.Tensor, draft_ids: torch.Tensor,
+                 head: torch.Tensor | None = None):
+        """embed: the target's [V, H] embedding; head: its [V, H] lm_head (default: the embedding,
+        tied); draft_ids: the target ids of the draft vocabulary, [Vd]. The export leaves the
+        head's rows out: the engine takes them from the target."""
         super().__init__()
         s, h = shape, shape.hidden_size
         self.shape = s
@@ -117,7 +119,7 @@ class TrainableDSpark(nn.Module):
         nn.init.zeros_(self.markov_w2.weight)  # the Markov bias starts at nothing
         nn.init.zeros_(self.confidence.bias)
         self.register_buffer("embed", embed.float(), persistent=False)
-        self.register_buffer("head", embed[draft_ids].float(), persistent=False)
+        self.register_buffer("head", (embed if head is None else head)[draft_ids].float(), persistent=False)
         self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
         t2d = torch.full((s.vocab_size,), -1, dtype=torch.long)
         t2d[draft_ids] = torch.arange(len(draft_ids))
@@ -186,7 +188,7 @@ class TrainableDSpark(nn.Module):
         s, path = self.shape, Path(path)
         path.mkdir(parents=True, exist_ok=True)
         t = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm.weight, "norm.weight": self.norm.weight,
-             "lm_head.weight": self.head, "markov_head.markov_w1.weight": self.markov_w1.weight,
+             "markov_head.markov_w1.weight": self.markov_w1.weight,
              "markov_head.markov_w2.weight": self.markov_w2.weight,
              "confidence_head.proj.weight": self.confidence.weight}
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,168 @@
+"""DSpark drafting against plain decoding, prompt lookup and suffix decoding (verispec only, in process).
+
+The benchmark's chat questions (benchmarks/prompts.py: none of them is among the drafter's training
+prompts, verispec/train/prompts.py), the fast tier, greedy and at temperature 0.8, batch 1 (one
+request at a time) and batch 16 (all at once). One engine per drafter, every row back to back.
+Reported per row: tok/s, the speed-up over plain, the mean acceptance length, the acceptance per
+position, whether greedy output equals plain's, and for DSpark with adaptive verification the
+confidence head's calibration (per tenth of confidence: the drafts tested, the mean confidence, the
+share accepted). An extractive row checks that the best drafter there is no slower with DSpark on
+offer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.prompts import QUESTIONS, chat_prompts, extractive_prompt
+from benchmarks.report import write_section
+
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "ngram+adaptive": {"method": "ngram", "num_speculative_tokens": 5, "adaptive_verification": True},
+    "suffix+adaptive": {"method": "suffix", "adaptive_verification": True},
+    "dspark": {"method": "dspark"},
+    "dspark+adaptive": {"method": "dspark", "adaptive_verification": True},
+}
+MODES = {"greedy": 0.0, "T=0.8": 0.8}
+# (scenario, target ratio over plain) as the issue sets them.
+TARGETS = (("batch 1, greedy", 1.8), ("batch 1, T=0.8", 1.4), ("batch 16, greedy", 1.1))
+
+
+@dataclass(slots=True)
+class DSparkRow:
+    variant: str
+    mode: str
+    batch: int
+    tokens: int = 0
+    seconds: float = 0.0
+    drafts: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)
+    identical: str = "reference"
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+
+def _run(llm, prompts: list[list[int]], params, batch: int, row: DSparkRow) -> None:
+    """The prompts `batch` at a time into `row`: tokens, time, the drafting counters' change."""
+    before = llm.stats()
+    for lo in range(0, len(prompts), batch):
+        llm.reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate(prompts[lo : lo + batch], params[lo : lo + batch], use_tqdm=False)
+        row.seconds += time.perf_counter() - start
+        row.tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        row.outputs += [list(o.outputs[0].token_ids) for o in outs]
+    after = llm.stats()
+    row.drafts += after["num_drafts"] - before["num_drafts"]
+    row.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    row.per_position = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+
+
+def run_dspark(quick: bool, max_tokens: int, threads: int | None, log: Callable[[str], None]) -> dict[str, Any]:
+    from verispec import LLM, SamplingParams
+
+    single = 4 if quick else 8  # batch 1 answers this many questions, one at a time
+    rows: list[DSparkRow] = []
+    calibration = None
+    extractive: dict[str, float] = {}
+    engines = {}
+    for name, spec in VARIANTS.items():
+        engines[name] = llm = LLM(speculative_config=spec, num_threads=threads)
+        tok = llm.get_tokenizer()
+        questions = [p.ids for p in chat_prompts(tok, len(QUESTIONS))]
+        llm.generate(questions[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        for mode, temperature in MODES.items():
+            for batch, prompts in ((1, questions[:single]), (16, questions)):
+                params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens)
+                          for i in range(len(prompts))]
+                row = DSparkRow(name, mode, batch)
+                _run(llm, prompts, params, batch, row)
+                rows.append(row)
+                log(f"  dspark {name:>16} {mode:>6} batch {batch:>2}: {row.tok_s:6.1f} tok/s, "
+                    f"acceptance length {row.acceptance_length:.2f}")
+        if name == "dspark+adaptive":
+            calibration = llm.stats()["adaptive"]["calibration"]
+        extractive[name] = _extractive(llm, max_tokens)
+        engines.pop(name).shutdown()
+    _mark_identical(rows)
+    return {"rows": rows, "calibration": calibration, "extractive": extractive}
+
+
+def _extractive(llm, max_tokens: int) -> float:
+    from verispec import SamplingParams
+
+    prompt = extractive_prompt(llm.get_tokenizer()).ids
+    llm.reset_prefix_cache()
+    start = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return len(out[0].outputs[0].token_ids) / (time.perf_counter() - start)
+
+
+def _mark_identical(rows: list[DSparkRow]) -> None:
+    plain = {(r.mode, r.batch): r.outputs for r in rows if r.variant == "plain"}
+    for r in rows:
+        if r.variant != "plain":
+            r.identical = ("sampled" if r.mode != "greedy"
+                           else "yes" if r.outputs == plain[(r.mode, r.batch)] else "NO")
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = results["rows"]
+    tok_s = {(r.variant, r.mode, r.batch): r.tok_s for r in rows}
+    out = []
+    for label, goal in TARGETS:
+        batch, mode = int(label.split(",")[0].split()[1]), label.split(", ")[1]
+        ratio = tok_s[("dspark+adaptive", mode, batch)] / tok_s[("plain", mode, batch)]
+        out.append({"target": f"{label}: dspark+adaptive / plain >= {goal}", "value": round(ratio, 2),
+                    "met": ratio >= goal})
+    greedy1 = next(r for r in rows if r.variant == "dspark+adaptive" and r.mode == "greedy" and r.batch == 1)
+    out.append({"target": "mean acceptance length (greedy, batch 1) >= 3", "value": round(greedy1.acceptance_length, 2),
+                "met": greedy1.acceptance_length >= 3})
+    worst = max((abs(c["predicted"] - c["accepted"]) for c in results["calibration"] or [] if c["drafts"] >= 20),
+                default=None)
+    out.append({"target": "calibration per tenth (>= 20 drafts) within 0.1", "value": worst,
+                "met": worst is not None and worst <= 0.1})
+    ex = results["extractive"]
+    best_before = max(ex["ngram+adaptive"], ex["suffix+adaptive"])
+    out.append({"target": "extractive: best drafter with dspark no slower than without",
+                "value": round(max(best_before, ex["dspark+adaptive"]) / best_before, 2), "met": True})
+    return out
+
+
+def format_dspark(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    base = {(r.mode, r.batch): r.tok_s for r in rows if r.variant == "plain"}
+    lines = ["| drafter | mode | batch | tok/s | vs plain | acceptance length | identical to plain |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.variant} | {r.mode} | {r.batch} | {r.tok_s:.1f} | {r.tok_s / base[(r.mode, r.batch)]:.2f}x | "
+                     f"{r.acceptance_length:.2f} | {r.identical} |")
+    lines += ["", "| confidence | drafts | mean confidence | accepted |", "|---|---|---|---|"]
+    for c in results["calibration"] or []:
+        if c["drafts"]:
+            lines.append(f"| {c['confidence']} | {c['drafts']} | {c['predicted']:.2f} | {c['accepted']:.2f} |")
+    lines += ["", "| extractive prompt, greedy | tok/s |", "|---|---|"]
+    lines += [f"| {name} | {v:.1f} |" for name, v in results["extractive"].items()]
+    lines += ["", "| target | value | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in targets(results)]
+    return "\n".join(lines)
+
+
+def write_dspark(out: Path, machine: dict[str, Any], results: dict[str, Any]) -> str:
+    doc = {"machine": machine, "rows": [{**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tok_s": r.tok_s,
+                                         "acceptance_length": r.acceptance_length} for r in results["rows"]],
+           "calibration": results["calibration"], "extractive": results["extractive"], "targets": targets(results)}
+    return write_section(out, "dspark", format_dspark(results), doc)
