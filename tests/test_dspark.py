@@ -53,17 +53,20 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS) + ["dspark_compiled"])
+@pytest.mark.parametrize("layout", list(LAYOUTS) + ["dspark_compiled", "dspark_processed", "dflash_processed"])
 def test_every_draft_equals_the_reference(target, tmp_path, monkeypatch, layout):
-    """dspark_compiled: the target's compiled graph returns the layers the drafter reads."""
+    """dspark_compiled: the target's compiled graph returns the layers the drafter reads;
+    *_processed: drafts drawn slot by slot through the requests' processors (min_tokens=1 is a
+    processor, idle past the first token) instead of the greedy argmax chain."""
     path, cfg, hf = target
-    kw, method = LAYOUTS[layout.removesuffix("_compiled")]
+    kw, method = LAYOUTS[layout.removesuffix("_compiled").removesuffix("_processed")]
     ckpt = make_dspark_checkpoint(tmp_path / "d", cfg, **kw)
     prompts = random_prompts(3, 5, 40, seed=1)
     compiled = layout.endswith("_compiled")
     llm = dict(model=path, dtype="float32", block_size=16 if compiled else 4, enforce_eager=not compiled,
                speculative_config={"method": method, "model": ckpt, "num_speculative_tokens": 3})
-    seen = recorded_drafts(monkeypatch, llm, prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, min_tokens=int(layout.endswith("_processed")))
+    seen = recorded_drafts(monkeypatch, llm, prompts, params)
     assert len(seen) >= 30
     wrong = [(t, d) for t, d in seen if reference_drafts(ckpt, hf, t, len(d)) != d]
     assert wrong == []

@@ -92,7 +92,28 @@ class DSparkDrafter(ModelDrafter):
         slots = hidden[:, first : first + k]  # [R, K, hidden]: slot j drafts the j-th token
         base = self.model.logits(slots.reshape(-1, slots.shape[-1]), inputs.target.compute_logits)
         base = base.view(len(jobs), k, -1)
+        if all(_raw_argmax(s.request) for s in jobs):
+            return self._argmax_chain(jobs, slots, base, anchors)
         return self._draw(inputs, jobs, slots, base, anchors)
+
+    def _argmax_chain(self, jobs, slots: torch.Tensor, base: torch.Tensor, anchors: torch.Tensor) -> dict[str, ModelDrafts]:
+        """Every request greedy, with no processor that can move its argmax: each slot's draft is
+        the argmax of its logits and the Markov bias, in the draft vocabulary; no q (greedy
+        verification compares argmaxes), a few small ops per slot."""
+        tokens, chances, prev = [], [], anchors
+        for j in range(base.shape[1]):
+            logits = base[:, j]
+            bias = self.model.markov_bias(prev)
+            if bias is not None:
+                logits = logits + bias
+            chance = self.model.accept_chance(slots[:, j], prev)
+            chances.append(chance if chance is not None else logits.softmax(dim=-1).amax(dim=-1))
+            best = logits.argmax(dim=-1)
+            prev = best if self.model.d2t is None else self.model.d2t[best]
+            tokens.append(prev)
+        ids, conf = torch.stack(tokens, dim=1), torch.stack(chances, dim=1)
+        return {s.request.request_id: ModelDrafts(token_ids=ids[i, :n], probs=None, confidence=conf[i, :n])
+                for i, (s, n) in enumerate((s, len(s.draft_token_ids)) for s in jobs)}
 
     def _blocks(self, inputs: DraftInputs, reqs) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's block through the drafter: hidden states [R, B, hidden] and the anchors [R]."""
@@ -146,6 +167,13 @@ class DSparkDrafter(ModelDrafter):
                                                   probs=torch.stack([p for _, p, _ in o]),
                                                   confidence=torch.stack([c for _, _, c in o]))
                 for s, o in zip(jobs, out)}
+
+
+def _raw_argmax(req) -> bool:
+    """A greedy request whose processors cannot move the argmax (no penalties, bad words, bias,
+    allowed ids or minimum length): its draft is the raw logits' argmax."""
+    p = req.params
+    return p.greedy and not (needs_token_values(req) or p.min_tokens or p.logit_bias or p.allowed_token_ids)
 
 
 def _padded(table: list[int], n: int, width: int) -> list[int]:

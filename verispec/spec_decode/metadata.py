@@ -37,7 +37,7 @@ class ModelDrafts:
     """One request's drafts from a model drafter, made inside the step; they stay on the device."""
 
     token_ids: torch.Tensor  # [d] int64
-    probs: torch.Tensor  # [d, V] q: the processed draft distribution
+    probs: torch.Tensor | None  # [d, V] q: the processed draft distribution (None: a greedy request's, unused)
     confidence: torch.Tensor  # [d] q's peak at each position (adaptive verification)
 
 
