@@ -166,3 +166,34 @@ def write_dspark(out: Path, machine: dict[str, Any], results: dict[str, Any]) ->
                                          "acceptance_length": r.acceptance_length} for r in results["rows"]],
            "calibration": results["calibration"], "extractive": results["extractive"], "targets": targets(results)}
     return write_section(out, "dspark", format_dspark(results), doc)
+
+
+def plot_training(log_path: Path, out: Path) -> None:
+    """The loss curve of a `verispec train-drafter` run (its loss.jsonl): the loss, and the share
+    of draft slots whose top token is the target's, on the training batches and held out."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    log = [json.loads(line) for line in Path(log_path).read_text().splitlines()]
+    held = [e for e in log if "held_out_loss" in e]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot([e["step"] for e in log], [e["loss"] for e in log], lw=0.6, alpha=0.6, label="training batch")
+    left.plot([e["step"] for e in held], [e["held_out_loss"] for e in held], "o-", label="held out")
+    left.set_xlabel("step")
+    left.set_ylabel("loss (0.1 CE + 0.9 L1 + confidence BCE)")
+    left.legend()
+    right.plot([e["step"] for e in held], [e["held_out_top1"] for e in held], "o-", label="top-1 = target's token")
+    right.plot([e["step"] for e in held], [e["held_out_accept"] for e in held], "s-",
+               label="sum min(p_draft, p_target)")
+    right.set_xlabel("step")
+    right.set_ylabel("held out, per draft slot (weighted)")
+    right.set_ylim(0, 1)
+    right.legend()
+    fig.suptitle("DSpark drafter for SmolLM2-135M-Instruct: training")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

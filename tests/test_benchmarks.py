@@ -377,3 +377,17 @@ def test_dspark_table_and_targets_read_the_rows():
     table = format_dspark(results)
     assert "| dspark | greedy | 16 | 16.0 | 1.60x | 3.50 | NO |" in table and "| T=0.8 | 1 |" in table
     assert "| 0.9-1.0 | 40 | 0.93 | 0.88 |" in table
+
+
+def test_training_plot_reads_a_loss_log(tmp_path):
+    import json
+
+    from benchmarks.dspark import plot_training
+
+    log = tmp_path / "loss.jsonl"
+    lines = [{"step": s, "loss": 3.0 / s} | ({"held_out_loss": 3.1 / s, "held_out_top1": 0.1 * s,
+                                              "held_out_accept": 0.05 * s} if s % 2 == 0 else {})
+             for s in range(1, 7)]
+    log.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    plot_training(log, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000

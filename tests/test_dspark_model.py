@@ -24,6 +24,7 @@ def tiny_drafter(seed: int = 0) -> TrainableDSpark:
     with torch.no_grad():  # heads that bite
         model.markov_w2.weight.normal_(0, 0.5)
         model.confidence.bias.fill_(0.3)
+        model.feature_scale.uniform_(0.5, 50.0)  # folded into fc at export
     return model
 
 
@@ -80,3 +81,14 @@ def test_export_names_and_precision(tmp_path):
     assert cfg.target_layer_ids == (0, 2) and cfg.mask_token_id == 3 and cfg.layers.num_layers == 2
     assert t["layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
     assert t["confidence_head.proj.bias"].dtype == torch.float32
+
+
+def test_start_from_the_features_scale_and_the_targets_norm():
+    model = tiny_drafter()
+    feats = [torch.tensor([[3.0, 0.0] * 64, [4.0, 2.0] * 64]), torch.tensor([[0.0, 0.0] * 64])]
+    norm = torch.full((64,), 2.5)
+    from verispec.train.dspark_model import start_from
+
+    start_from(model, norm, feats)
+    assert torch.allclose(model.feature_scale[:2], torch.tensor([(25 / 3) ** 0.5, (4 / 3) ** 0.5]))
+    assert model.feature_scale.min() > 0 and torch.equal(model.norm.weight.detach(), norm)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from verispec.models.dspark import target_head_rows
 from verispec.train.distill import build_shards, chat_ids, load_samples
-from verispec.train.dspark_model import DrafterShape, TrainableDSpark
+from verispec.train.dspark_model import DrafterShape, TrainableDSpark, start_from
 from verispec.train.prompts import held_out_prompts, training_prompts
 from verispec.train.trainer import TrainConfig, train
 
@@ -76,6 +76,8 @@ def run(args: argparse.Namespace, options: dict) -> int:
     with torch.no_grad():
         embed = model.embed_tokens(torch.arange(cfg.vocab_size, device=model.embed.device)).float().cpu()
     drafter = TrainableDSpark(shape, embed, draft_ids, head=target_head_rows(model).cpu())
+    if not (out / "train_state.pt").exists():  # else the state holds them
+        start_from(drafter, model.norm.weight.detach().cpu(), [s.features for s in samples])
     config = TrainConfig(steps=args.steps, seqs_per_step=args.seqs_per_step, anchors=args.anchors, lr=args.lr)
     with tqdm(total=args.steps, desc="training", unit="step") as bar:
         def progress(step, total, entry):

@@ -116,8 +116,13 @@ class TrainableDSpark(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
+        nn.init.normal_(self.markov_w1.weight)  # unit rows: w2's steps move the bias at once
         nn.init.zeros_(self.markov_w2.weight)  # the Markov bias starts at nothing
         nn.init.zeros_(self.confidence.bias)
+        # Each context feature's scale, divided out before `fc` and folded into it at export: the
+        # target's residual stream has a few dims a hundred times the others (SmolLM2: RMS 1700
+        # against a median of 5-17), and under Adam those dims' weights swung `fc`'s output.
+        self.register_buffer("feature_scale", torch.ones(len(s.target_layer_ids) * h))
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("head", (embed if head is None else head)[draft_ids].float(), persistent=False)
         self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
@@ -144,7 +149,7 @@ class TrainableDSpark(nn.Module):
         feats, ids, anchors = batch["features"].float(), batch["ids"], batch["anchors"]
         n_seq, t_max = ids.shape
         b = s.block_size
-        c = self.hidden_norm(self.fc(feats))
+        c = self.hidden_norm(self.fc(feats / self.feature_scale))
         cos, sin = self.rope(torch.arange(t_max))
         block_pos = (anchors[:, :, None] + torch.arange(b)).flatten(1)  # [S, A * B]
         block_ids = torch.full_like(block_pos, s.mask_token_id)
@@ -187,8 +192,8 @@ class TrainableDSpark(nn.Module):
 
         s, path = self.shape, Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        t = {"fc.weight": self.fc.weight, "hidden_norm.weight": self.hidden_norm.weight, "norm.weight": self.norm.weight,
-             "markov_head.markov_w1.weight": self.markov_w1.weight,
+        t = {"fc.weight": self.fc.weight / self.feature_scale, "hidden_norm.weight": self.hidden_norm.weight,
+             "norm.weight": self.norm.weight, "markov_head.markov_w1.weight": self.markov_w1.weight,
              "markov_head.markov_w2.weight": self.markov_w2.weight,
              "confidence_head.proj.weight": self.confidence.weight}
         for i, layer in enumerate(self.layers):
@@ -199,6 +204,19 @@ class TrainableDSpark(nn.Module):
         tensors["d2t"] = self.draft_ids - torch.arange(len(self.draft_ids))
         save_file(tensors, str(path / "model.safetensors"))
         (path / "config.json").write_text(json.dumps(_config(s, len(self.draft_ids)), indent=2))
+
+
+@torch.no_grad()
+def start_from(drafter: TrainableDSpark, final_norm: torch.Tensor, features: list[torch.Tensor]) -> None:
+    """Before the first step: each context feature's scale, its root mean square over the data's
+    tokens; and the target's final norm weights as the drafter's, so that its logits start at the
+    target's scale (Adam moves a norm weight by about the learning rate a step)."""
+    total, count = 0.0, 0
+    for f in features:
+        total = total + f.float().pow(2).sum(0)
+        count += f.shape[0]
+    drafter.feature_scale.copy_((total / max(1, count)).sqrt().clamp(min=1e-3))
+    drafter.norm.weight.copy_(final_norm.float())
 
 
 def _config(s: DrafterShape, draft_vocab: int) -> dict:
