@@ -168,4 +168,4 @@ def test_the_shipped_drafter_lands_drafts_on_questions_it_never_trained_on(smoll
 
 
 # The shipped drafter's mean acceptance length on those questions, less a margin (docs/dspark.md).
-SHIPPED_ACCEPTANCE_FLOOR = 1.5
+SHIPPED_ACCEPTANCE_FLOOR = 1.1
