@@ -276,8 +276,7 @@ class AdaptiveController:
     """Host side of adaptive verification: confidences, the budget, the trim, the statistics."""
 
     def __init__(self, k: int, cost: CostModel, exact_host_scores: bool, calibrated: bool = False):
-        """calibrated: the drafter's confidences are already chances of acceptance (DSpark's
-        confidence head), so each bucket starts at its own middle instead of the prior."""
+        """calibrated: the confidences are chances already (DSpark's head): buckets start at their middles."""
         self.cost = cost
         # ngram: the host's scores are this step's own, so the trim is exact and needs no slack.
         self.exact_host_scores = exact_host_scores
