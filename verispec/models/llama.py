@@ -212,7 +212,7 @@ class LlamaModel(nn.Module):
         fam = family(cfg.architecture)
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype)) if fam.embed_scale else None
         self.compiled = None  # set by verispec.models.compile
-        # Layers whose outputs a hidden-state drafter reads (spec_decode/dspark.py): set before the
+        # Layers whose outputs a hidden-state drafter reads (spec_decode/dspark_drafter.py): set before the
         # graph is compiled, as the graph returns them. Each forward keeps them in `captured`.
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
@@ -266,9 +266,7 @@ class LlamaModel(nn.Module):
         x = self.norm(x)
         if not capture:
             return x
-        # In the drafter's order; the last layer's output after the final norm, as HF's
-        # hidden_states give it.
-        captured[len(self.layers) - 1] = x
+        # In the drafter's order (never the last layer: models/dspark_checkpoint.py refuses it).
         return x, torch.cat([captured[i] for i in capture], dim=-1)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:

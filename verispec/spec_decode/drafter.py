@@ -144,7 +144,7 @@ class ModelDrafter:
             index = to_device(active, dtype=torch.long, device=dev)
             hidden = model(last[index], to_device(positions, device=dev), meta, kv_layers, self.num_layers)
             rows = [jobs[i].request.row(drafts[i], purpose="draft",
-                                        device_tail=_tail(jobs[i].request, device_drafts[i])) for i in active]
+                                        device_tail=device_tail(jobs[i].request, device_drafts[i])) for i in active]
             md = SamplingMetadata.build(rows, inputs.vocab_size, dev)
             processed = apply_processors(model.compute_logits(hidden), md)
             tokens = sample(processed, md)
@@ -167,6 +167,6 @@ class ModelDrafter:
                 for s, q, t, c in zip(jobs, probs, device_drafts, confidence)}
 
 
-def _tail(req: Request, drafted: list[torch.Tensor]) -> torch.Tensor | None:
+def device_tail(req: Request, drafted: list[torch.Tensor]) -> torch.Tensor | None:
     """The device values of a request's drafts so far, where its processors read values."""
     return torch.stack(drafted) if drafted and needs_token_values(req) else None

@@ -31,7 +31,7 @@ from verispec.models.llama import LlamaModel
 from verispec.sample.metadata import SamplingMetadata
 from verispec.sample.processors import apply_processors
 from verispec.sample.sampler import sample
-from verispec.spec_decode.drafter import DraftInputs, ModelDrafter, needs_token_values
+from verispec.spec_decode.drafter import DraftInputs, ModelDrafter, device_tail, needs_token_values
 from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts
 
 
@@ -151,7 +151,8 @@ class DSparkDrafter(ModelDrafter):
             if bias is not None:
                 logits = logits + bias
             full = self.model.to_target_vocab(pick(logits), inputs.vocab_size)
-            rows = [jobs[i].request.row(drafts[i], purpose="draft", device_tail=_tail(jobs[i].request, out[i]))
+            rows = [jobs[i].request.row(drafts[i], purpose="draft",
+                                        device_tail=device_tail(jobs[i].request, [t for t, _, _ in out[i]]))
                     for i in active]
             md = SamplingMetadata.build(rows, inputs.vocab_size, inputs.device)
             processed = apply_processors(full, md)
@@ -179,8 +180,3 @@ def _raw_argmax(req) -> bool:
 def _padded(table: list[int], n: int, width: int) -> list[int]:
     """A request's first n blocks, padded with block 0 (masked, never read) to `width`."""
     return table[:n] + [0] * (width - n)
-
-
-def _tail(req, drawn: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-    """The device values of a request's drafts so far, where its processors read values."""
-    return torch.stack([t for t, _, _ in drawn]) if drawn and needs_token_values(req) else None
