@@ -15,53 +15,12 @@ from test_verify import chi_square
 from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
 from verispec.spec_decode import verify as verify_mod
-from verispec.spec_decode.adaptive import CostModel, admission_order, admit, slot_counts
+from verispec.spec_decode.adaptive import admission_order, admit, slot_counts
 
 # A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
 # them. Budgets land strictly between "verify nothing" and "verify everything" at every batch size
 # tested, so the device really chooses.
 COST = [[1, 1.0], [64, 2.3], [256, 22.0]]
-
-
-def test_cost_model_interpolates_extrapolates_and_never_falls():
-    cost = CostModel([4, 1, 8], [2.0, 1.0, 1.5])  # unsorted, and a noisy dip at 8
-    assert cost.tokens == [1, 4, 8] and cost.seconds == [1.0, 2.0, 2.0]
-    assert cost(2) == pytest.approx(1 + 1 / 3)
-    assert cost(16) == pytest.approx(2.0)  # flat last segment extrapolates flat
-    assert CostModel([1, 2], [1.0, 2.0])(4) == pytest.approx(4.0)
-
-
-def test_a_profiled_cost_table_learns_the_steps_overhead_and_keeps_the_forwards_slope():
-    """Real steps cost the forward plus what does not grow with the drafts (the host's work, a
-    busy machine): the learnt model converges to it, and a draft row still costs what the
-    profiled forward says; a given table stays as given."""
-    profile = [0.01, 0.02, 0.1]
-    true = lambda n: CostModel([1, 8, 64], profile)(n) + 0.015  # noqa: E731
-    learnt = CostModel([1, 8, 64], profile, learn=True)
-    fixed = CostModel([1, 8, 64], profile)
-    g = torch.Generator().manual_seed(0)
-    noise = torch.rand(400, generator=g).mul(0.004).sub(0.002).tolist()
-    for n, e in zip(torch.randint(1, 80, (400,), generator=g).tolist(), noise):
-        learnt.observe(n, true(n) + e)
-        fixed.observe(n, true(n) + e)
-    for n in (1, 4, 8, 30, 64, 100):
-        assert learnt(n) == pytest.approx(true(n), rel=0.1)
-    assert learnt(30) - learnt(20) == pytest.approx(fixed(30) - fixed(20))  # the forward's slope
-    assert fixed.seconds == profile and fixed.overhead == 0.0
-    learnt.observe(8, 1e-6)  # a step far cheaper than the table: the cost stays positive
-    assert learnt(1) > 0
-
-
-def test_one_outlier_step_moves_the_overhead_by_at_most_its_tables_cost():
-    """A step that took a second (a graph compiled for a new shape) must not price the next
-    steps' draft rows as free: its excess counts at most the table's own cost."""
-    learnt = CostModel([1, 8, 64], [0.01, 0.02, 0.1], learn=True)
-    for _ in range(50):
-        learnt.observe(8, 0.025)
-    before = learnt.overhead
-    learnt.observe(8, 1.0)
-    assert learnt.overhead <= before + 0.2 * (0.02 - before) + 1e-12
-    assert learnt.overhead < 0.01
 
 
 def survival_rows(rows: int, width: int, seed: int) -> tuple[torch.Tensor, list[list[float]]]:
@@ -286,29 +245,3 @@ def test_invalid_adaptive_options_name_the_field(tiny_llama, bad, field):
         LLM(tiny_llama, speculative_config={"method": "ngram", **bad})
 
 
-def test_profile_times_every_grid_size_and_keeps_the_fastest_run(tiny_llama, monkeypatch):
-    """A fake clock: a forward over n tokens costs 1 ms per token, plus 1 s on the first run of each
-    size (a cold cache). The profile must time each size of its grid and keep its best run."""
-    from types import SimpleNamespace
-
-    from verispec.spec_decode import adaptive as adaptive_mod
-
-    model = LLM(tiny_llama).engine.runner.model
-    clock, seen = [0.0], set()
-
-    class Timed:
-        cfg, dtype = model.cfg, model.dtype
-
-        def __call__(self, ids, *args):
-            clock[0] += 1e-3 * len(ids) + (0.0 if len(ids) in seen else 1.0)
-            seen.add(len(ids))
-            return model(ids, *args)
-
-        compute_logits = staticmethod(model.compute_logits)
-        new_kv_cache = staticmethod(model.new_kv_cache)
-
-    monkeypatch.setattr(adaptive_mod, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    cost = CostModel.profile(Timed(), block_size=16, max_tokens=40, device=torch.device("cpu"))
-    # The doubling grid, and one past each power of two from 4: the first row of a new tile.
-    assert cost.tokens == [1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 40] and cost.learn
-    assert cost.seconds == pytest.approx([1e-3 * n for n in cost.tokens])

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from adaptive_entries import entry, plan_counts_of, uniform_history
-from verispec.spec_decode.adaptive import GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, CostModel, q_bucket
+from verispec.spec_decode.adaptive import GLOBAL_EMA, PRIOR_CONFIDENCE, AdaptiveController, q_bucket
+from verispec.spec_decode.cost import CostModel
 
 
 def calibrated(ctl: AdaptiveController, q: float, greedy: bool) -> float:

@@ -121,6 +121,19 @@ def test_adaptive_verification_on_the_confidence_head(target, hitting):
     assert table[0] < 0.05 and table[-1] > 0.95  # the head's chances, not the 0.8 prior
 
 
+
+def test_the_cost_model_learns_what_the_drafting_costs(target, hitting):
+    """With a profiled table, each step's drafting (the block forward, timed in the step) is
+    learnt apart, so adaptive verification charges it to every budget but none."""
+    path, _ = target
+    ckpt, prompts = hitting
+    llm = LLM(path, dtype="float32", speculative_config={"method": "dspark", "model": ckpt,
+                                                         "adaptive_verification": True})
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    cost = llm.engine.drafts.adaptive.cost
+    assert cost.learn and cost.drafting > 0
+
+
 @pytest.mark.parametrize("spec, kw, message", [
     ({"method": "dspark"}, {"rank": 0, "confidence": False}, "method 'dflash'"),
     ({"method": "dflash"}, {}, "method 'dspark'"),

@@ -9,7 +9,8 @@ from test_scheduler import BLOCK, drafting, offer, run_step
 from verispec.config import SpeculativeConfig
 from verispec.core.kv_cache import BlockPool
 from verispec.core.step_types import Drafts, ScheduledRequest
-from verispec.spec_decode.adaptive import AdaptiveController, CostModel
+from verispec.spec_decode.adaptive import AdaptiveController
+from verispec.spec_decode.cost import CostModel
 from verispec.spec_decode.drafter import NgramDrafter
 from verispec.spec_decode.policy import DraftPolicy, draft_room
 
@@ -77,3 +78,22 @@ def test_a_finished_request_leaves_no_state_behind():
     adaptive.history("a")
     finish(sched, a)
     assert sched.drafts.num_proposed(a) == 0 and adaptive._history == {}
+
+
+def test_the_step_cost_is_learnt_with_its_drafting_apart():
+    """The drafting a step paid (a host drafter's proposal, a model drafter's time inside the
+    step) goes to the cost model's `drafting`, the rest to its overhead."""
+    import time
+
+    class Slow(NgramDrafter):
+        def propose(self, running, rooms):
+            time.sleep(0.02)
+            return super().propose(running, rooms)
+
+    adaptive = AdaptiveController(3, CostModel([1, 8], [0.001, 0.002], learn=True), exact_host_scores=True)
+    policy = DraftPolicy(Slow(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)), 3, 100, adaptive)
+    started = time.perf_counter()
+    policy.propose([decoding("r", [4, 5, 6, 7, 4, 5, 6, 7], pending=4)])
+    policy.observe_cost(1, started, draft_seconds=0.01)
+    assert 0.03 <= adaptive.cost.drafting < 0.05  # the 20 ms proposal and the 10 ms in the step
+    assert adaptive.cost.overhead < 0.005

@@ -162,7 +162,8 @@ def test_update_from_output_keeps_the_accepted_drafts_and_gives_back_the_rest():
 
 def test_the_adaptive_plan_is_made_in_schedule_and_decides_the_steps_drafts():
     """The one draft decision of a step: made once, while scheduling, before the runner sees it."""
-    from verispec.spec_decode.adaptive import AdaptiveController, CostModel
+    from verispec.spec_decode.adaptive import AdaptiveController
+    from verispec.spec_decode.cost import CostModel
 
     pool = BlockPool(64, BLOCK)
     # A cost table where a verify row costs as much as a token it may save: a draft at a

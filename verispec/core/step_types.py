@@ -113,9 +113,11 @@ class RequestResult:
 
 @dataclass(slots=True)
 class StepResult:
-    """One step's results: a record per request id."""
+    """One step's results: a record per request id, and the host time a model drafter spent
+    drafting inside the step (adaptive verification's cost model learns it)."""
 
     requests: dict[str, RequestResult] = field(default_factory=dict)
+    draft_seconds: float = 0.0
 
     def of(self, request_id: str) -> RequestResult:
         """The request's record, created empty on first use."""

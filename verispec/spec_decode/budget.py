@@ -84,11 +84,15 @@ def completion_gains(scores: Sequence[Sequence[float]], order: Sequence[int], gr
 def best_prefix(gains: list[float], num_waiting: float, base_tokens: int, cost) -> int:
     """The B maximising (num_waiting + the first B gains) / cost(base_tokens + B): the clients'
     expected advance per second, `gains` as `completion_gains` gives them; `cost` is the step's
-    CostModel. Ties go to the smaller B."""
+    CostModel. Every B but 0 also pays the drafting (`cost.drafting`): drafts that cannot repay
+    it are refused, and the refusals space the drafter out (AdaptiveController.should_draft).
+    Ties go to the smaller B."""
     # Every B's gain (a running sum, in admission order) and cost at once: a batch of 32 requests
     # with 6 drafts each weighs 193 budgets a step, and one cost lookup each took a millisecond.
     totals = np.cumsum([float(num_waiting), *gains])
-    values = (totals / cost.many(base_tokens + np.arange(len(totals)))).tolist()
+    seconds = cost.many(base_tokens + np.arange(len(totals)))
+    seconds[1:] += cost.drafting
+    values = (totals / seconds).tolist()
     best_b, best = 0, values[0]
     for b in range(1, len(values)):
         if values[b] > best * (1 + 1e-12):

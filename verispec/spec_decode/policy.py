@@ -44,23 +44,29 @@ class DraftPolicy:
         self.adaptive = adaptive
         self.metrics = SpecDecodeMetrics(num_speculative_tokens)
         self._proposed: dict[str, Drafts] = {}
+        self._propose_seconds = 0.0  # the last `propose`'s host time
 
     # ------------------------------------------------------------------ after a step
     def propose(self, running: list[Request]) -> None:
         """The drafts each running request may carry next step."""
+        self._propose_seconds = 0.0
         if self.adaptive is not None and not self.adaptive.should_draft():
             return
+        began = time.perf_counter()
         rooms = [draft_room(req, self.k, self.max_model_len) for req in running]
         for req, room in zip(running, rooms):
             if room:
                 self._proposed.pop(req.request_id, None)
         self._proposed.update(self.drafter.propose(running, rooms))
+        self._propose_seconds = time.perf_counter() - began
 
-    def observe_cost(self, num_tokens: int, started: float) -> None:
-        """The step's measured cost (everything since `started`, drafting included), for the
-        adaptive budget's cost model."""
+    def observe_cost(self, num_tokens: int, started: float, draft_seconds: float = 0.0) -> None:
+        """The step's measured cost (everything since `started`), for the adaptive budget's cost
+        model: of it, the drafting (a model drafter's `draft_seconds` in the step, a host
+        drafter's proposal for the next one) apart."""
         if self.adaptive is not None:
-            self.adaptive.cost.observe(num_tokens, time.perf_counter() - started)
+            drafting = draft_seconds + self._propose_seconds
+            self.adaptive.cost.observe(num_tokens, time.perf_counter() - started, drafting)
 
     # ------------------------------------------------------------------ while scheduling
     def num_proposed(self, req: Request) -> int:

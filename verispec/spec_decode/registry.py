@@ -7,7 +7,8 @@ import logging
 
 from verispec.config import EngineConfig, SpeculativeConfig
 from verispec.models.llama import LlamaModel
-from verispec.spec_decode.adaptive import AdaptiveController, CostModel
+from verispec.spec_decode.adaptive import AdaptiveController
+from verispec.spec_decode.cost import CostModel
 from verispec.spec_decode.draft_model import DraftModelDrafter
 from verispec.spec_decode.drafter import Drafter, NgramDrafter
 from verispec.spec_decode.dspark_drafter import DSparkDrafter

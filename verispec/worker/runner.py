@@ -9,6 +9,7 @@ single synchronisation.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -65,7 +66,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """The step's results. Reads `sched` and never changes it: running it again (the engine's
         crash isolation does) computes the same step."""
+        began = time.perf_counter()
         drafts = self.drafter.draft(self.draft_inputs, sched.scheduled) if self.drafter is not None else {}
+        # On a CPU the drafting's whole cost; on CUDA only its launches (the work runs on with the step).
+        draft_seconds = time.perf_counter() - began if drafts else 0.0
         batch = self.build_batch(sched)
         verify_meta = None
         if batch.sampled:
@@ -80,7 +84,9 @@ class ModelRunner:
         prompt_host = [(req, lo, t.to_cpu_nonblocking()) for req, lo, t in prompt_jobs]
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        return self._step_result(verify_meta, host, prompt_host)
+        result = self._step_result(verify_meta, host, prompt_host)
+        result.draft_seconds = draft_seconds
+        return result
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
         batch = FlatBatch()
