@@ -11,7 +11,7 @@ import torch
 
 from verispec import LLM, SamplingParams
 from verispec.entrypoints.cli import main
-from verispec.entrypoints.train_drafter import draft_vocabulary, spread_layers
+from verispec.entrypoints.train_drafter import draft_vocabulary, spread_layers, target_layers
 from verispec.train.distill import Sample
 
 
@@ -19,6 +19,14 @@ def test_spread_layers_never_takes_the_last():
     assert spread_layers(30) == (1, 8, 14, 20, 27)
     assert spread_layers(4, 2) == (1,)
     assert all(max(spread_layers(n)) < n - 1 for n in range(3, 40))
+
+
+def test_target_layers_are_checked_before_any_data_is_made():
+    assert target_layers(None, 30) == spread_layers(30) and target_layers("8,1,8", 30) == (1, 8)
+    with pytest.raises(ValueError, match="must name layers 0..28 of the target's 30"):
+        target_layers("1,29", 30)
+    with pytest.raises(ValueError, match="comma-separated layer numbers"):
+        target_layers("1;2", 30)
 
 
 def test_draft_vocabulary_is_the_answers_commonest_tokens():

@@ -47,6 +47,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=int, default=128, help="tokens per held-out answer in the report")
 
 
+def target_layers(given: str | None, num_layers: int) -> tuple[int, ...]:
+    """--target-layers, checked before an hour of data: layer numbers, none the target's last."""
+    if not given:
+        return spread_layers(num_layers)
+    try:
+        layers = tuple(sorted({int(x) for x in given.split(",")}))
+    except ValueError:
+        raise ValueError(f"--target-layers {given!r} must be comma-separated layer numbers") from None
+    if not all(0 <= i < num_layers - 1 for i in layers):
+        raise ValueError(f"--target-layers {given!r} must name layers 0..{num_layers - 2} of the target's "
+                         f"{num_layers} (not its last, whose output is normed)")
+    return layers
+
+
 def spread_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
     """`count` layers from the second to the third-last, evenly spaced (never the last)."""
     lo, hi = 1, max(1, num_layers - 3)
@@ -63,8 +77,7 @@ def run(args: argparse.Namespace, options: dict) -> int:
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("train-drafter needs a model with a tokenizer and a chat template (its prompts are chats)")
     cfg = model.cfg
-    layers = (tuple(int(x) for x in args.target_layers.split(",")) if args.target_layers
-              else spread_layers(cfg.num_layers))
+    layers = target_layers(args.target_layers, cfg.num_layers)
     data = _data(llm, args, out, layers)
     samples, held = data
     draft_ids = draft_vocabulary(samples, args.draft_vocab, cfg.vocab_size)
