@@ -13,7 +13,8 @@ from conftest import make_tiny_checkpoint, random_prompts
 from dspark_checkpoints import make_dspark_checkpoint
 from test_spec_decode import assert_same_logprobs, run_with_and_without
 from verispec import LLM, SamplingParams
-from verispec.spec_decode.dspark_drafter import DSparkDrafter
+from verispec.spec_decode import dspark_drafter
+from verispec.spec_decode.dspark_drafter import DSparkDrafter, latest_writes
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,33 @@ def test_the_cost_model_learns_what_the_drafting_costs(target, hitting):
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     cost = llm.engine.drafts.adaptive.cost
     assert cost.learn and cost.drafting > 0
+
+
+
+def test_latest_writes_keeps_each_slots_last_write():
+    slots, rows = latest_writes(torch.tensor([7, 3, 7, 9, 3, 7]))
+    assert slots.tolist() == [3, 7, 9] and rows.tolist() == [4, 5, 3]
+
+
+def test_context_writes_wait_for_a_draft_and_a_full_buffer_writes_them_early(target, hitting, monkeypatch):
+    """Pending writes (a CPU's) and writes at every step draft alike: the same greedy output and
+    the same acceptance, through prefix-cache hits and slots rewritten after rejected drafts."""
+    path, _ = target
+    ckpt, prompts = hitting
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "dspark", "model": ckpt}
+
+    def run():
+        llm = LLM(path, dtype="float32", speculative_config=spec)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts[:3] * 2, params, use_tqdm=False)]
+        return outs, llm.stats()["num_accepted_tokens"], llm.engine.drafts.drafter
+
+    pending_outs, pending_accepted, drafter = run()
+    assert drafter._pending  # the last steps' writes wait: no draft came after them
+    monkeypatch.setattr(dspark_drafter, "PENDING_TOKENS", 1)  # every write at once
+    eager_outs, eager_accepted, drafter = run()
+    assert not drafter._pending
+    assert pending_outs == eager_outs and pending_accepted == eager_accepted
 
 
 @pytest.mark.parametrize("spec, kw, message", [
