@@ -28,15 +28,17 @@ class CostModel:
     detokenizing), attention over long contexts, whatever else the machine is doing.
     With `learn`, every measured step (its wall time, read on the host after the step's one
     synchronisation) moves `overhead` toward its excess over the table, and the table's slope
-    stays the forward's.
+    stays the forward's. Learning the slope from steps instead priced a draft row at what a
+    request costs (at 5 requests a step took 13.6 ms against the table's 8.3: 2 ms per token
+    against the forward's 0.55), and no draft paid.
 
     A step that drafts also pays the drafting, which verifying no draft would not: a DSpark
     block forward took 3.1 ms of a 14 ms step on one CPU thread, and a drafter accepting 0.3
     tokens a step made the engine 0.6x plain while its verify rows alone looked worth it. Each
     measured step's drafting time is taken out of its excess and averaged in `drafting` (over
-    the steps that drafted); `best_prefix` charges it to every budget but none. Learning the slope from steps instead priced a draft row at what a
-    request costs (at 5 requests a step took 13.6 ms against the table's 8.3: 2 ms per token
-    against the forward's 0.55), and no draft paid. A table the user gives is kept as given."""
+    the steps that drafted); `best_prefix` charges it to every budget but none.
+
+    A table the user gives is kept as given: it learns neither."""
 
     tokens: list[int]
     seconds: list[float]
