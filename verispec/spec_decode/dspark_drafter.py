@@ -97,8 +97,10 @@ class DSparkDrafter(ModelDrafter):
         """The pending context writes into the cache, each slot's latest."""
         if not self._pending:
             return
-        features, positions, slots = (torch.cat(x) for x in zip(*self._pending))
-        if len(self._pending) > 1:
+        if len(self._pending) == 1:  # every step on CUDA: written as captured, no copy
+            (features, positions, slots), = self._pending
+        else:
+            features, positions, slots = (torch.cat(x) for x in zip(*self._pending))
             slots, rows = latest_writes(slots)
             features, positions = features[rows], positions[rows]
         self._pending, self._pending_tokens = [], 0
