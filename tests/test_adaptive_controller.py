@@ -107,3 +107,27 @@ def test_calibration_stats_count_each_tested_draft_in_its_tenth():
     fresh = AdaptiveController(4, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=False, calibrated=True)
     assert calibrated(fresh, 0.03, greedy=True) == pytest.approx(0.035)
     assert calibrated(fresh, 0.99, greedy=False) == pytest.approx(0.99)
+
+
+def test_a_refused_step_keeps_a_draft_for_the_device_only_when_it_probes():
+    """At B = 0 the device admits nothing: a model drafter's kept draft would run a row and the
+    drafting for fresh scores alone. Only the first refused step of each REFUSAL_STREAK keeps one
+    (and a plan), every other refused step none and no plan; a budget B keeps B + max(1, B / 4)."""
+    from verispec.spec_decode.adaptive import REFUSAL_STREAK
+
+    ctl = AdaptiveController(4, CostModel([1, 8], [1.0, 8.0]), exact_host_scores=False, calibrated=True)
+    kept, plans = [], []
+    for _ in range(2 * REFUSAL_STREAK):
+        e = entry("r", [0, 0, 0, 0])
+        ctl.history(e.request.request_id).survival = [0.3, 0.09, 0.03, 0.01]  # never worth a row
+        counts, plan = ctl.plan([e], [e.drafts])
+        kept.append(counts[0])
+        plans.append(plan is not None and plan.budget == 0)
+    probe = [1] + [0] * (REFUSAL_STREAK - 1)
+    assert kept == probe * 2 and plans == [bool(x) for x in probe * 2]
+    assert ctl.stats.drafted_total == 2 and ctl.stats.budget_total == 0
+    ctl.cost = CostModel([1, 8], [1.0, 2.4])  # a row costs a fifth of the step: two drafts pay
+    e = entry("r", [0, 0, 0, 0])
+    ctl.history(e.request.request_id).survival = [0.9, 0.8, 0.05, 0.01]
+    counts, plan = ctl.plan([e], [e.drafts])
+    assert plan.budget == 2 and counts == [3]  # B and one slack draft for the device
