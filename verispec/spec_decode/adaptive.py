@@ -25,9 +25,9 @@ The host picks B from the scores it already has (ngram: this step's; model draft
 request's survivals from its previous step, copied back with the step's one D2H copy), so it
 never waits for the device. It also trims each request's drafts to the host's own top slots (plus
 a little slack for model drafters, whose true scores it does not know yet; at B = 0 none, but
-on a probing step: `kept_slots`): those tokens run through the forward. For ngram the host's scores are this step's own, so that trim is the
-admission and every draft left is verified. For model drafters the device then admits the B
-highest-scoring slots by this step's scores:
+on a probing step: `kept_slots`): those tokens run through the forward. For ngram the host's
+scores are this step's own, so that trim is the admission and every draft left is verified.
+For model drafters the device then admits the B highest-scoring slots by this step's scores:
 per-request capacities, always a prefix of each request's drafts, whose boundaries
 (`cu_num_logits`) exist only on the device. Only admitted rows and one bonus row per request get
 logits and verification.
