@@ -109,6 +109,7 @@ def test_the_exact_tier_is_invariant_to_caching_chunking_speculation_and_compili
     monkeypatch.setenv("VERISPEC_COMPILE", "1")
     alone = needle_among(LLM(**EXACT), needle, others, 1, 0)
     llm = LLM(**(EXACT | variant))
+    assert llm.engine.wait_for_compiled_step() == (variant.get("enforce_eager") is False)
     needle_among(llm, needle, others, 8, 1)  # a run that leaves the needle's prefix cached
     got = llm.generate([needle] + others[:15], [NEEDLE] + [OTHER] * 15, use_tqdm=False)[0].outputs[0]
     assert_same(got, alone)
@@ -171,6 +172,6 @@ def test_the_compiled_half_precision_tiers_give_the_eager_bits(texts, long_needl
     monkeypatch.setenv("VERISPEC_COMPILE", "1")
     alone = needle_among(LLM(**tier), long_needle, others, 1, 0)
     llm = LLM(**(tier | {"enforce_eager": False, "max_num_batched_tokens": 48}))
-    assert llm.engine.model.compiled is not None
+    assert llm.engine.wait_for_compiled_step()
     got = llm.generate([long_needle] + others[:7], [NEEDLE] + [OTHER] * 7, use_tqdm=False)[0].outputs[0]
     assert_same(got, alone)

@@ -57,11 +57,10 @@ def test_compiled_fast_tier_speculative_equals_plain_without_recompiling(tiny_ll
     outputs = []
     for spec in (None, dict(NGRAM, adaptive_verification=True, cost_table=[[1, 1.0], [64, 1.2]])):
         llm = LLM(tiny_llama, speculative_config=spec, **kw)
-        assert llm.engine.model.compiled is not None and llm.engine.model.compiled.warm
+        assert llm.engine.wait_for_compiled_step()
         graphs = counters["stats"]["unique_graphs"]
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            out = llm.generate(prompts, params, use_tqdm=False)
-        assert counters["stats"]["unique_graphs"] == graphs
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert counters["stats"]["unique_graphs"] == graphs  # nothing traced in this process
         assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in out)
         outputs.append(out)
     print(f"compiled {quantization}: max |logprob spec - plain| = {assert_same_output(*outputs):.2e}")
@@ -77,7 +76,7 @@ def test_the_compiled_fast_tier_rounds_as_eager_does(tiny_llama, compiling, quan
 
     llm = LLM(tiny_llama, quantization=quantization)
     model = llm.engine.model
-    assert model.compiled is not None and model.dtype == torch.bfloat16
+    assert llm.engine.wait_for_compiled_step() and model.dtype == torch.bfloat16
     kv = model.new_kv_cache(8, 16)
     n = 64
     meta = build_attention_metadata([SeqSpan(0, n, n, list(range(4)))], 16, torch.device("cpu"), model.dtype)

@@ -40,7 +40,9 @@ def recorded_drafts(monkeypatch, llm_kwargs: dict, prompts, params) -> list[tupl
         return out
 
     monkeypatch.setattr(DSparkDrafter, "draft", draft)
-    LLM(**llm_kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**llm_kwargs)
+    llm.engine.wait_for_compiled_step()  # where it compiles: the graph's captured layers, from the first step
+    llm.generate(prompts, params, use_tqdm=False)
     return seen
 
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import FP32_ATOL, FP32_RTOL, TINY_VOCAB, assert_close_to_oracle, hf_model, make_tiny_checkpoint
 from verispec.models.attention import SeqSpan, build_attention_metadata, new_layer_cache
-from verispec.models.compile import CompiledStack, warm_up
+from verispec.models.compile import LayerGraphs
 from verispec.models.linear import KERNEL_MAX_ROWS
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint, load_tokenizer
@@ -27,8 +27,8 @@ def run_ours(path: str, ids: list[int], chunks: list[int], dtype=torch.float32, 
     caches = [new_layer_cache(num_blocks, block, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
               for _ in range(cfg.num_layers)]
     if compiled:
-        model.compiled = CompiledStack(model)
-        warm_up(model, caches, block, num_blocks)
+        model.compiled = LayerGraphs(model, block)
+        model.compiled.build()
     table = list(range(3, num_blocks)) if consecutive else torch.randperm(
         num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
     outs, done = [], 0

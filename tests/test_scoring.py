@@ -79,6 +79,7 @@ def test_score_equals_the_rollout_bit_for_bit(exact, case):
 def test_score_equals_the_rollout_under_speculation_compiling_and_chunking(tiny_with_tokenizer, variant, monkeypatch):
     monkeypatch.setenv("VERISPEC_COMPILE", "1")
     llm = LLM(tiny_with_tokenizer, **({"dtype": "float32", "enforce_eager": True} | variant))
+    assert llm.engine.wait_for_compiled_step() == (variant.get("enforce_eager") is False)
     outs, scores = rollout_and_score(llm, SamplingParams(**ROLLOUT, **CASES["processed_history"]), seed=1, n=8)
     assert unequal_rows(outs, scores) == 0
 

@@ -26,7 +26,7 @@ from verispec.distributed.weight_group import WeightGroupSpec
 from verispec.worker.weight_sync import (UpdateWhileRunning, WeightGroupLink, WeightsLike, WeightUpdate, WeightVersion,
                                          WeightVersions, timed_update, update_model_weights)
 from verispec.host_memory import keep_freed_memory
-from verispec.models.compile import CompiledStack, compile_wanted, warm_up
+from verispec.models.compile import CompileSource, LayerGraphs, compile_wanted
 from verispec.models.cpu_kernels import kernel_build
 from verispec.models.default import default_model_path
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision, weight_kinds
@@ -98,7 +98,9 @@ class LLMEngine:
     def _build(self, config: EngineConfig, model_path, model_cfg) -> None:
         """Everything around the model: tokenizer, pool, prefix cache, drafter, scheduler, runner."""
         if self.tp is None and compile_wanted(config.enforce_eager, config.device):
-            self.model.compiled = CompiledStack(self.model)
+            source = CompileSource(str(model_path), str(config.dtype).removeprefix("torch."), config.quantization,
+                                   model_cfg.rope_context, config.block_size)
+            self.model.compiled = LayerGraphs(self.model, config.block_size, source=source)
         with self.startup.phase("tokenizer"):
             self.tokenizer = self._tokenizer.result()
         limit = model_cfg.max_position_embeddings
@@ -130,8 +132,8 @@ class LLMEngine:
         drafter = self.drafts.drafter if self.drafts is not None else None
         self.runner = ModelRunner(self.model, config, self.pool,
                                   drafter=drafter if drafter is not None and drafter.drafts_in_step else None)
-        with self.startup.phase("compile"):
-            warm_up(self.model, self.runner.kv.layers, self.pool.block_size, self.pool.num_blocks)
+        if self.model.compiled is not None:  # eager steps answer while the graphs build
+            self.model.compiled.start()
         self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None,
                                       self.weight_kinds)
         logger.info("%s", self.runtime.line())
@@ -254,7 +256,15 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.check()
 
+    def wait_for_compiled_step(self, timeout: float | None = None) -> bool:
+        """Blocks until the background compile has ended (benchmarks, tests); whether the compiled
+        step runs now. False at once where the engine runs eager by choice."""
+        return self.model.compiled is not None and self.model.compiled.wait(timeout)
+
     def shutdown(self) -> None:
+        compiled = getattr(getattr(self, "model", None), "compiled", None)  # a failed start has no model
+        if compiled is not None:
+            compiled.stop()
         if self.tp is not None:
             self.tp.shutdown()
             torch.set_num_threads(self._threads_before)

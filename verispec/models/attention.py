@@ -18,6 +18,7 @@ Elsewhere (CUDA, or no C++ compiler) attention runs on SDPA, in groups:
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -354,43 +355,57 @@ def _head_major_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, 
     return out.view(g, kv_heads, nq, per_kv, head_dim).transpose(1, 2).reshape(g, nq, num_heads, head_dim)
 
 
-# The running forward's metadata and caches. A compiled layer stack sees attention as one opaque
-# op that takes only tensors and its layer index; the per-step Python structure lives here.
-_context: tuple[AttentionMetadata, list] | None = None
+class _Context(threading.local):
+    """The running forward's metadata and caches, and the layer it is in. A compiled layer sees
+    attention as one opaque op that takes only tensors: the per-step Python structure lives here,
+    and so does the layer's index, so that one graph serves every layer of the same shape. Per
+    thread: the compiled step is built in a background thread while the engine's thread steps."""
+
+    current: tuple[AttentionMetadata, list] | None = None
+    layer: int = 0
+
+
+_context = _Context()
 
 
 @contextmanager
 def attention_context(meta: AttentionMetadata, kv_caches: list):
-    global _context
-    outer, _context = _context, (meta, kv_caches)
+    outer, _context.current = _context.current, (meta, kv_caches)
     try:
         yield
     finally:
-        _context = outer
+        _context.current = outer
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int = 0,
+def enter_layer(index: int) -> None:
+    """The layer whose cache the next attention call reads and writes; each call moves on to the
+    next layer, so a graph of several consecutive layers needs only its first."""
+    _context.layer = index
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
               softcap: float = 0.0) -> torch.Tensor:
-    """Paged attention for layer `layer` of the running forward; opaque to torch.compile."""
+    """Paged attention for the current layer of the running forward; opaque to torch.compile."""
     if torch.compiler.is_compiling():
-        return torch.ops.verispec.attention(q, k, v, layer, scale, window, softcap)
-    return _attention_op(q, k, v, layer, scale, window, softcap)
+        return torch.ops.verispec.attention(q, k, v, scale, window, softcap)
+    return _attention_op(q, k, v, scale, window, softcap)
 
 
 # The cache write is invisible to the compiler on purpose: the op's output is always used, so it
 # is never reordered or dropped, and the caches need not become graph inputs. A plain library
 # definition has half the dispatch overhead of `torch.library.custom_op`.
 _lib = torch.library.Library("verispec", "DEF")
-_lib.define("attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int window, float softcap) -> Tensor")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, float scale, int window, float softcap) -> Tensor")
 
 
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int,
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                   softcap: float) -> torch.Tensor:
-    meta, caches = _context
+    meta, caches = _context.current
+    layer, _context.layer = _context.layer, _context.layer + 1
     return paged_attention(q, k, v, caches[layer], meta, scale, window, softcap).contiguous()
 
 
-def _attention_shape(q, k, v, layer: int, scale: float, window: int, softcap: float) -> torch.Tensor:
+def _attention_shape(q, k, v, scale: float, window: int, softcap: float) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.architectures import family
-from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context
+from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context, enter_layer
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.gguf_blocks import concat_rows, dequantize, is_quantized
@@ -149,6 +149,10 @@ class DecoderLayer(nn.Module):
         self.o_rows = self.down_rows = cfg.hidden_size
 
     def forward(self, x, cos, sin):
+        """x [T, hidden] -> [T, hidden]; cos and sin are the model's tables, [tables, T, 1, dims],
+        of which the layer rotates with its own. The attention context says which layer's cache
+        it reads (`enter_layer`): the layer's index is no constant of a compiled layer."""
+        cos, sin = cos[self.rope_table], sin[self.rope_table]
         t, nh, nkv = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv(self.attn_norm(x))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, self.head_dim)
@@ -157,7 +161,7 @@ class DecoderLayer(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
         # q and k rotate together: one set of elementwise ops per layer instead of two.
         qk = apply_rope(qk, cos, sin)
-        attn = attention(qk[:, :nh], qk[:, nh:], v, self.index, self.scale, self.window, self.softcap)
+        attn = attention(qk[:, :nh], qk[:, nh:], v, self.scale, self.window, self.softcap)
         x = self._residual(self.o, attn.reshape(t, self.q_size), x, self.post_attn_norm)
         gate_up = self.gate_up(self.mlp_norm(x))
         return self._residual(self.down, self.act(gate_up[:, : self.inter]) * gate_up[:, self.inter :], x,
@@ -212,6 +216,7 @@ class LlamaModel(nn.Module):
         fam = family(cfg.architecture)
         self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype)) if fam.embed_scale else None
         self.compiled = None  # set by verispec.models.compile
+        self.eager_pieces = [(i, (layer,), None) for i, layer in enumerate(self.layers)]
         # Layers whose outputs a hidden-state drafter reads (spec_decode/dspark_drafter.py): set before the
         # graph is compiled, as the graph returns them. Each forward keeps them in `captured`.
         self.capture_layers: tuple[int, ...] = ()
@@ -242,27 +247,34 @@ class LlamaModel(nn.Module):
             # The rotary tables are computed eager on both paths: Inductor's sin and cos round
             # some positions differently from ATen's, and a row must compute alike on both.
             cos, sin = self.rope(positions)
-            if num_layers is None and self.compiled is not None and self.compiled.takes(input_ids):
-                out = self.compiled(input_ids, cos, sin)
-            else:
-                out = self.stack(input_ids, cos, sin, num_layers)
+            out = self.stack(input_ids, cos, sin, num_layers)
         if self.capture_layers and num_layers is None:
             out, self.captured = out
         return out
 
     def stack(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               num_layers: int | None = None) -> torch.Tensor:
+        """Embedding, layers, final norm. The layers run in pieces: compiled graphs of consecutive
+        layers where they are ready and the step is short enough (models/compile.py), else one
+        layer at a time, eager: the same bits either way."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        tables = [(cos[i], sin[i]) for i in range(cos.shape[0])]
         capture = self.capture_layers if num_layers is None else ()
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        end = len(self.layers) if num_layers is None else num_layers
+        pieces = self.compiled.for_step(input_ids) if self.compiled is not None else None
         captured = {}
-        for layer in layers:
-            x = layer(x, *tables[layer.rope_table])
-            if layer.index in capture:
-                captured[layer.index] = x
+        for start, layers, graph in pieces or self.eager_pieces:
+            if start >= end:
+                break
+            enter_layer(start)  # each attention call moves on to the next layer's cache
+            if graph is not None and start + len(layers) <= end:
+                x = graph(layers, x, cos, sin)
+            else:
+                for layer in layers[: end - start]:
+                    x = layer(x, cos, sin)
+            if (last := min(start + len(layers), end) - 1) in capture:
+                captured[last] = x
         x = self.norm(x)
         if not capture:
             return x
