@@ -4,6 +4,9 @@ within the fast tier, no recompiles after warm-up, and the eager fallbacks."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,3 +145,75 @@ def test_inductor_cache_is_per_capability_unless_the_user_chose_one(monkeypatch,
         assert inductor_cache_dir() == str(tmp_path / "inductor" / level)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert inductor_cache_dir() == str(tmp_path / "mine")
+
+
+def _bits(outputs) -> list:
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("tier", [dict(quantization="int4"), dict(dtype="float32")], ids=["fast", "exact"])
+def test_a_request_that_spans_the_switch_to_the_compiled_step_keeps_its_bits(tiny_llama, compiling, monkeypatch, tier):
+    """The engine answers eager while its graphs build and switches between two steps: sampled
+    requests caught in the switch get the tokens and logprobs, bit for bit, of an eager run."""
+    prompts = random_prompts(4, 6, 40, seed=7)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, logprobs=3)
+    eager = LLM(tiny_llama, enforce_eager=True, **tier).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_llama, **tier)
+    assert llm.engine.wait_for_compiled_step()
+    graphs = llm.engine.model.compiled
+    pieces, graphs._pieces = graphs._pieces, None  # as if still building
+    original, steps = llm.engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 6:  # mid-decode for every request
+            graphs._pieces = pieces
+        return original()
+
+    monkeypatch.setattr(llm.engine, "step", step)
+    switched = llm.generate(prompts, params, use_tqdm=False)
+    assert graphs._announced and len(steps) > 6
+    assert _bits(switched) == _bits(eager)
+
+
+def test_the_worker_compiles_once_and_an_engine_with_other_limits_loads_its_graphs(tiny_llama, compiling, tmp_path,
+                                                                                    monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold compile (the kernels stay built)
+    first = LLM(tiny_llama, quantization="int4").engine
+    assert first.wait_for_compiled_step(), first.model.compiled.error
+    assert first.model.compiled._worker is not None and first.model.compiled._worker.returncode == 0
+    again = LLM(tiny_llama, quantization="int4", max_num_seqs=8, max_num_batched_tokens=256).engine
+    assert again.wait_for_compiled_step(), again.model.compiled.error
+    assert again.model.compiled._worker is None  # the saved graphs, loaded without tracing
+    assert again.model.compiled.seconds < 10
+
+
+def test_an_exit_while_the_worker_compiles_is_clean(tiny_llama, tmp_path):
+    """The script ends at once, the graphs still building: the worker is stopped, and the exit is
+    clean (a thread killed inside torch's C++ at exit would abort the process)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), VERISPEC_COMPILE="1", HF_HUB_OFFLINE="1")
+    script = f"from verispec import LLM; LLM({tiny_llama!r}, quantization='int4'); print('done')"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-2000:]
+    assert "terminate called" not in run.stderr
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, fmt: int):
+        super().__init__()
+        self.fmt, self.index = fmt, None
+        self.register_buffer("w", torch.zeros(4, 4 + fmt))
+
+
+def test_pieces_share_a_graph_by_signature_and_end_at_the_layers_a_drafter_reads():
+    from verispec.models.compile import layer_signature, plan_pieces
+
+    layers = [_Layer(f) for f in (0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0)]
+    for i, layer in enumerate(layers):
+        layer.index = i  # the index is no part of a signature
+    assert layer_signature(layers[0]) == layer_signature(layers[1]) != layer_signature(layers[3])
+    plan = plan_pieces(layers, cuts={5}, per_graph=4)
+    assert [(a, b) for a, b, _ in plan] == [(0, 3), (3, 4), (4, 6), (6, 10), (10, 11)]
+    assert len({key for _, _, key in plan}) == 5  # lengths 3, 1 (other format), 2, 4, 1
+    assert plan_pieces(layers[4:], cuts=set(), per_graph=3)[0][2] == plan_pieces(layers[:3], cuts=set(), per_graph=3)[0][2]

@@ -275,6 +275,9 @@ class EngineConfig:
                                            "them; across machines launch every rank with torchrun (docs/scaling.md)",
                                         flags=("-tp",))
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    # False: the compiled step only where its graphs are saved from an earlier start, no compile
+    # worker (`verispec generate`: one answer ends before a first compile would).
+    compile_missing: bool = True
 
     @classmethod
     def create(
@@ -288,7 +291,7 @@ class EngineConfig:
     ) -> "EngineConfig":
         """From user-facing values (strings, dicts), as `LLM(...)` and `verispec serve` take them.
         An unknown option is a ValueError naming it."""
-        known = {o.name for o in user_options()} | {"grammar_limits", "prompt_logprobs_chunk_rows"}
+        known = {o.name for o in user_options()} | {"grammar_limits", "prompt_logprobs_chunk_rows", "compile_missing"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")

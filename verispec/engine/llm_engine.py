@@ -133,7 +133,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, self.pool,
                                   drafter=drafter if drafter is not None and drafter.drafts_in_step else None)
         if self.model.compiled is not None:  # eager steps answer while the graphs build
-            self.model.compiled.start()
+            self.model.compiled.start(compile_missing=config.compile_missing)
         self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None,
                                       self.weight_kinds)
         logger.info("%s", self.runtime.line())

@@ -128,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def show_startup() -> None:
+    """verispec's start-up lines (each phase over 2 s, the runtime line) on stderr, where a command
+    line user sees them; a program that configured logging keeps its own handlers."""
+    import logging
+
+    log = logging.getLogger("verispec")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from verispec.entrypoints.llm import LLM
     from verispec.sampling_params import SamplingParams
@@ -137,8 +150,9 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, seed=getattr(args, "seed", None), stop=args.stop, logprobs=args.logprobs,
         prompt_logprobs=args.prompt_logprobs,
     )
-    llm = LLM(**engine_options(args))
-    print(llm.engine.runtime.line(), file=sys.stderr)
+    show_startup()
+    # One answer: the compiled step where its graphs are saved from an earlier start, no compile.
+    llm = LLM(**engine_options(args), compile_missing=False)
     try:
         if args.chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]

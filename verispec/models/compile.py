@@ -306,6 +306,7 @@ class LayerGraphs:
         self._announced = False
         self._worker: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
+        self._compile_missing = True
 
     @property
     def ready(self) -> bool:
@@ -358,11 +359,11 @@ class LayerGraphs:
         finally:
             self._done.set()
 
-    def start(self) -> None:
+    def start(self, compile_missing: bool = True) -> None:
         """Builds the graphs in the background: a worker process compiles them into the cache at low
-        priority, then a thread here loads them; the model runs eager until then."""
-        logger.info("compiling the decoder layers in the background (about 40 s the first time, a few seconds "
-                    "once cached); eager steps answer meanwhile")
+        priority (unless they are saved already, or not `compile_missing`), then a thread here loads
+        them; the model runs eager until then."""
+        self._compile_missing = compile_missing
         _running.add(self)
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="verispec-compile", daemon=True)
@@ -370,9 +371,10 @@ class LayerGraphs:
 
     def _run(self) -> None:
         try:
+            saved = self.source is not None and (self._saved() / "done").exists()
             if self.source is None:
                 self.build()
-            elif (self._saved() / "done").exists() or self._compile_in_worker():
+            elif saved or (self._compile_missing and self._compile_in_worker()):
                 self.load(self._saved())
             if self.ready:
                 logger.info("compiled step ready in %.1f s (%d graph%s)", time.perf_counter() - self._started,
@@ -393,6 +395,8 @@ class LayerGraphs:
 
     def _compile_in_worker(self) -> bool:
         """Runs models/compile_worker.py for this model; whether it compiled every graph."""
+        logger.info("compiling the decoder layers in the background, once for this model's layer shapes (about "
+                    "a minute on 2 cores); eager steps answer meanwhile")
         log = self._saved().parent / "worker.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         spec = json.dumps(dataclasses.asdict(dataclasses.replace(

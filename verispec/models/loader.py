@@ -320,6 +320,7 @@ def load_tokenizer(model: str):
         except Exception as exc:  # noqa: BLE001 - damage of any kind (transformers raises many types): rebuilt below
             logger.warning("rebuilding the cached tokenizer %s (%s)", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
+    logger.info("reading the tokenizer from %s (once per file, a few seconds; a large vocabulary longer)", path.name)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
