@@ -197,23 +197,3 @@ def test_an_exit_while_the_worker_compiles_is_clean(tiny_llama, tmp_path):
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-2000:]
     assert "terminate called" not in run.stderr
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self, fmt: int):
-        super().__init__()
-        self.fmt, self.index = fmt, None
-        self.register_buffer("w", torch.zeros(4, 4 + fmt))
-
-
-def test_pieces_share_a_graph_by_signature_and_end_at_the_layers_a_drafter_reads():
-    from verispec.models.compile import layer_signature, plan_pieces
-
-    layers = [_Layer(f) for f in (0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0)]
-    for i, layer in enumerate(layers):
-        layer.index = i  # the index is no part of a signature
-    assert layer_signature(layers[0]) == layer_signature(layers[1]) != layer_signature(layers[3])
-    plan = plan_pieces(layers, cuts={5}, per_graph=4)
-    assert [(a, b) for a, b, _ in plan] == [(0, 3), (3, 4), (4, 6), (6, 10), (10, 11)]
-    assert len({key for _, _, key in plan}) == 5  # lengths 3, 1 (other format), 2, 4, 1
-    assert plan_pieces(layers[4:], cuts=set(), per_graph=3)[0][2] == plan_pieces(layers[:3], cuts=set(), per_graph=3)[0][2]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import FP32_ATOL, FP32_RTOL, TINY_VOCAB, assert_close_to_oracle, hf_model, make_tiny_checkpoint
-from verispec.models.attention import SeqSpan, build_attention_metadata, new_layer_cache
+from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.kv_cache_tensors import new_layer_cache
 from verispec.models.compile import LayerGraphs
 from verispec.models.linear import KERNEL_MAX_ROWS
 from verispec.models.llama import LlamaModel

@@ -98,9 +98,8 @@ class LLMEngine:
     def _build(self, config: EngineConfig, model_path, model_cfg) -> None:
         """Everything around the model: tokenizer, pool, prefix cache, drafter, scheduler, runner."""
         if self.tp is None and compile_wanted(config.enforce_eager, config.device):
-            source = CompileSource(str(model_path), str(config.dtype).removeprefix("torch."), config.quantization,
-                                   model_cfg.rope_context, config.block_size)
-            self.model.compiled = LayerGraphs(self.model, config.block_size, source=source)
+            self.model.compiled = LayerGraphs(self.model, config.block_size, source=CompileSource(
+                str(model_path), str(config.dtype)[6:], config.quantization, model_cfg.rope_context, config.block_size))
         with self.startup.phase("tokenizer"):
             self.tokenizer = self._tokenizer.result()
         limit = model_cfg.max_position_embeddings
@@ -257,13 +256,11 @@ class LLMEngine:
             self.tp.check()
 
     def wait_for_compiled_step(self, timeout: float | None = None) -> bool:
-        """Blocks until the background compile has ended (benchmarks, tests); whether the compiled
-        step runs now. False at once where the engine runs eager by choice."""
+        """Until the background compile ends (benchmarks, tests); whether the step now runs compiled."""
         return self.model.compiled is not None and self.model.compiled.wait(timeout)
 
     def shutdown(self) -> None:
-        compiled = getattr(getattr(self, "model", None), "compiled", None)  # a failed start has no model
-        if compiled is not None:
+        if (compiled := getattr(getattr(self, "model", None), "compiled", None)) is not None:  # a failed start: none
             compiled.stop()
         if self.tp is not None:
             self.tp.shutdown()

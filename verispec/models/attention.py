@@ -21,13 +21,12 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from verispec.device_copy import to_device
-from verispec.models.cpu_kernels import cpu_kernels_available
+from verispec.models.kv_cache_tensors import LayerCache
 
 # Queries at most this long share the padded decode group.
 DECODE_GROUP_MAX_QUERY = 16
@@ -139,37 +138,6 @@ def build_attention_metadata(
         slot_mapping=to_device(slot_mapping, dtype=torch.long, device=device), spans=spans,
         block_size=block_size, dtype=dtype, num_tokens=len(slot_mapping),
     )
-
-
-class LayerCache(NamedTuple):
-    """One layer's paged cache. v is [blocks, block_size, kv_heads, head_dim]; k is the same, or
-    [blocks, kv_heads, head_dim, block_size] when `keys_transposed` (the CPU kernel's layout)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    keys_transposed: bool = False
-
-
-def kernel_layout(device: torch.device, block_size: int, head_dim: int) -> bool:
-    """Whether caches on this device use the CPU attention kernel (and so its key layout)."""
-    return device.type == "cpu" and block_size % 16 == 0 and head_dim % 16 == 0 and cpu_kernels_available()
-
-
-def new_layer_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype, device) -> LayerCache:
-    transposed = kernel_layout(torch.device(device), block_size, head_dim)
-    k_shape = (num_blocks, kv_heads, head_dim, block_size) if transposed else (num_blocks, block_size, kv_heads, head_dim)
-    v_shape = (num_blocks, block_size, kv_heads, head_dim)
-    return LayerCache(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(v_shape, dtype=dtype, device=device),
-                      transposed)
-
-
-class KVCacheTensors:
-    """One `LayerCache` (k, v) per layer: [num_blocks, block_size, kv_heads, head_dim] each, the
-    keys transposed within a block where the CPU attention kernel runs."""
-
-    def __init__(self, cfg, num_blocks: int, block_size: int, dtype, device):
-        self.layers = [new_layer_cache(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-                       for _ in range(cfg.num_layers)]
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -356,10 +324,9 @@ def _head_major_attention(qg: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, 
 
 
 class _Context(threading.local):
-    """The running forward's metadata and caches, and the layer it is in. A compiled layer sees
-    attention as one opaque op that takes only tensors: the per-step Python structure lives here,
-    and so does the layer's index, so that one graph serves every layer of the same shape. Per
-    thread: the compiled step is built in a background thread while the engine's thread steps."""
+    """The running forward's metadata and caches, and its layer: a compiled graph sees attention as
+    one opaque op on tensors, and one graph serves many layers. Per thread: the compiled step's
+    graphs are checked in another thread while the engine steps."""
 
     current: tuple[AttentionMetadata, list] | None = None
     layer: int = 0
@@ -378,8 +345,7 @@ def attention_context(meta: AttentionMetadata, kv_caches: list):
 
 
 def enter_layer(index: int) -> None:
-    """The layer whose cache the next attention call reads and writes; each call moves on to the
-    next layer, so a graph of several consecutive layers needs only its first."""
+    """The layer the next attention call serves; each call moves on to the next layer."""
     _context.layer = index
 
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec.models.architectures import family
-from verispec.models.attention import AttentionMetadata, KVCacheTensors, attention, attention_context, enter_layer
+from verispec.models.attention import AttentionMetadata, attention, attention_context, enter_layer
+from verispec.models.kv_cache_tensors import KVCacheTensors
 from verispec.models.config import ModelConfig
 from verispec.models.cpu_kernels import cpu_kernels_available
 from verispec.models.gguf_blocks import concat_rows, dequantize, is_quantized

@@ -12,7 +12,7 @@ import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.distributed.executor import build_model
-from verispec.models.attention import KVCacheTensors
+from verispec.models.kv_cache_tensors import KVCacheTensors
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
 from verispec.spec_decode.drafter import DraftInputs, ModelDrafter
 

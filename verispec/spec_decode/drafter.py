@@ -19,7 +19,8 @@ import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.device_copy import to_device
-from verispec.models.attention import LayerCache, SeqSpan, build_attention_metadata
+from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.kv_cache_tensors import LayerCache
 from verispec.models.llama import LlamaModel
 from verispec.core.request import Request
 from verispec.core.step_types import Drafts
