@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from verispec.models import cpu_kernels
-from verispec.models.attention import (
-    DECODE_GROUP_MAX_QUERY, KVCacheTensors, SeqSpan, build_attention_metadata, kernel_layout, new_layer_cache,
-    paged_attention,
-)
+from verispec.models.attention import DECODE_GROUP_MAX_QUERY, SeqSpan, build_attention_metadata, paged_attention
+from verispec.models.kv_cache_tensors import KVCacheTensors, kernel_layout, new_layer_cache
 
 BLOCK = 4  # not a multiple of 16: the cache takes the SDPA layout, whatever this CPU has
 BLOCK_KERNEL = 16

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verispec.models import cpu_kernels
-from verispec.models.attention import (
-    SeqSpan, build_attention_metadata, kernel_layout, new_layer_cache, paged_attention,
-)
+from verispec.models.attention import SeqSpan, build_attention_metadata, paged_attention
+from verispec.models.kv_cache_tensors import kernel_layout, new_layer_cache
 
 BLOCK = 16
 EPS = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

@@ -26,7 +26,7 @@ from verispec.distributed.weight_group import WeightGroupSpec
 from verispec.worker.weight_sync import (UpdateWhileRunning, WeightGroupLink, WeightsLike, WeightUpdate, WeightVersion,
                                          WeightVersions, timed_update, update_model_weights)
 from verispec.host_memory import keep_freed_memory
-from verispec.models.compile import CompileSource, LayerGraphs, compile_wanted
+from verispec.models.compile import CompileSource, compile_wanted, compiled_step
 from verispec.models.cpu_kernels import kernel_build
 from verispec.models.default import default_model_path
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision, weight_kinds
@@ -98,8 +98,8 @@ class LLMEngine:
     def _build(self, config: EngineConfig, model_path, model_cfg) -> None:
         """Everything around the model: tokenizer, pool, prefix cache, drafter, scheduler, runner."""
         if self.tp is None and compile_wanted(config.enforce_eager, config.device):
-            self.model.compiled = LayerGraphs(self.model, config.block_size, source=CompileSource(
-                str(model_path), str(config.dtype)[6:], config.quantization, model_cfg.rope_context, config.block_size))
+            self.model.compiled = compiled_step(self.model, CompileSource(str(model_path), str(config.dtype)[6:],
+                config.quantization, model_cfg.rope_context, config.block_size), config.compile_missing)
         with self.startup.phase("tokenizer"):
             self.tokenizer = self._tokenizer.result()
         limit = model_cfg.max_position_embeddings
@@ -132,7 +132,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config, self.pool,
                                   drafter=drafter if drafter is not None and drafter.drafts_in_step else None)
         if self.model.compiled is not None:  # eager steps answer while the graphs build
-            self.model.compiled.start(compile_missing=config.compile_missing)
+            self.model.compiled.start()
         self.runtime = RuntimeInfo.of(config.dtype, config.quantization, config.device, self.model.compiled is not None,
                                       self.weight_kinds)
         logger.info("%s", self.runtime.line())

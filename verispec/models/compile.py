@@ -115,7 +115,6 @@ class LayerGraphs:
         self._announced = False
         self._worker: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
-        self._compile_missing = True
 
     @property
     def ready(self) -> bool:
@@ -168,11 +167,14 @@ class LayerGraphs:
         finally:
             self._done.set()
 
-    def start(self, compile_missing: bool = True) -> None:
+    def saved(self) -> bool:
+        """Whether a worker saved this model's graphs (they load in milliseconds)."""
+        return self.source is not None and (self._saved() / "done").exists()
+
+    def start(self) -> None:
         """Builds the graphs in the background: a worker process compiles them into the cache at low
-        priority (unless they are saved already, or not `compile_missing`), then a thread here loads
-        them; the model runs eager until then."""
-        self._compile_missing = compile_missing
+        priority (unless they are saved already), then a thread here loads them; the model runs
+        eager until then."""
         _running.add(self)
         self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="verispec-compile", daemon=True)
@@ -180,10 +182,9 @@ class LayerGraphs:
 
     def _run(self) -> None:
         try:
-            saved = self.source is not None and (self._saved() / "done").exists()
             if self.source is None:
                 self.build()
-            elif saved or (self._compile_missing and self._compile_in_worker()):
+            elif self.saved() or self._compile_in_worker():
                 self.load(self._saved())
             if self.ready:
                 logger.info("compiled step ready in %.1f s (%d graph%s)", time.perf_counter() - self._started,
@@ -241,6 +242,13 @@ class LayerGraphs:
         self._done.wait(timeout)
         return self.ready
 
+
+
+def compiled_step(model, source: CompileSource, compile_missing: bool = True) -> LayerGraphs | None:
+    """The model's compiled step, to `start`; None where only saved graphs are wanted
+    (`compile_missing=False`: a one-shot answer) and none are saved: the model runs eager."""
+    graphs = LayerGraphs(model, source.block_size, source.max_tokens, source)
+    return graphs if compile_missing or graphs.saved() else None
 
 
 # Background builds still running at interpreter exit are stopped first: a thread killed inside
