@@ -1,6 +1,6 @@
 """The verispec-only scenarios that run after the systems' tables, each with its own measurement,
 report and check: prefix caching, structured output, tensor parallelism, the cost curve, weight
-updates, suffix decoding, DSpark drafting, real files and serving (the last two named only). One entry per scenario, so the runner loops instead of naming each."""
+updates, suffix decoding, DSpark drafting, real files, serving and start-up (the last three named only). One entry per scenario, so the runner loops instead of naming each."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from benchmarks.serving import run_serving, write_serving
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.scenarios import (
     COST_SCENARIO, DSPARK_SCENARIO, FORMATS_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, SERVING_SCENARIO, STRUCTURED_SCENARIO,
-    SUFFIX_SCENARIO, WEIGHTS_SCENARIO,
+    STARTUP_SCENARIO, SUFFIX_SCENARIO, WEIGHTS_SCENARIO,
 )
+from benchmarks.startup import run_startup, write_startup
 from benchmarks.structured import run_structured, write_structured
 from benchmarks.suffix import run_suffix, write_suffix
 from benchmarks.weights import run_weights, write_weights
@@ -76,4 +77,7 @@ EXTRAS: tuple[Extra, ...] = (
     Extra(SERVING_SCENARIO, "serving: verispec serve against llama-server, one OpenAI client (subprocesses)",
           "verispec serve against llama-server -np 16",
           lambda c, tok, log: run_serving((c.threads or 1,) if c.quick else (1, 2), c.out, log), write_serving),
+    Extra(STARTUP_SCENARIO, "start-up: cold, a new file, warm, another thread count, generate and serve (fresh "
+          "processes)", "start-up phases, first token and the compiled step",
+          lambda c, tok, log: run_startup(c.quick, c.threads or 2, log), write_startup),
 )

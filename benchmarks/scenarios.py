@@ -65,7 +65,8 @@ SUFFIX_SCENARIO = "suffix"
 DSPARK_SCENARIO = "dspark"
 FORMATS_SCENARIO = "formats"  # named only: it writes a 1B model once (benchmarks/formats.py)
 SERVING_SCENARIO = "serving"  # named only: verispec serve against llama-server (benchmarks/serving.py)
-NAMED_ONLY = (FORMATS_SCENARIO, SERVING_SCENARIO)
+STARTUP_SCENARIO = "startup"  # named only: its cold row rebuilds the kernels (benchmarks/startup.py)
+NAMED_ONLY = (FORMATS_SCENARIO, SERVING_SCENARIO, STARTUP_SCENARIO)
 ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO,
                  COST_SCENARIO, WEIGHTS_SCENARIO, SUFFIX_SCENARIO, DSPARK_SCENARIO)
 

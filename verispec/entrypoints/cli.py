@@ -129,13 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def show_startup() -> None:
-    """verispec's start-up lines (each phase over 2 s, the runtime line) on stderr, where a command
-    line user sees them; a program that configured logging keeps its own handlers."""
+    """verispec's start-up lines (each phase that can pass 2 s, the runtime line) on stderr, where a
+    command line user sees them."""
     import logging
 
     log = logging.getLogger("verispec")
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
+    class Stderr(logging.StreamHandler):  # whatever sys.stderr is when a line is written
+        stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+    if not any(type(h).__name__ == "Stderr" for h in log.handlers):
+        handler = Stderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

@@ -98,10 +98,15 @@ class LayerGraph:
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"names": self.names, "binary": self.binary}))
 
+    @staticmethod
+    def save_refused(path: Path) -> None:
+        """A piece whose graph did not give eager's bits: it runs eager."""
+        path.write_text(json.dumps({"refused": True}))
+
     @classmethod
-    def load(cls, path: Path) -> "LayerGraph":
+    def load(cls, path: Path) -> "LayerGraph | None":
         saved = json.loads(path.read_text())
-        return cls(saved["names"], saved["binary"])
+        return None if saved.get("refused") else cls(saved["names"], saved["binary"])
 
     @classmethod
     def of_module(cls, names: list[str], code: str) -> "LayerGraph":

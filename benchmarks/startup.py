@@ -1,0 +1,153 @@
+"""Start-up, in fresh processes (verispec only; named only, since a cold row rebuilds the kernels):
+how long from a process's start until it answers, split into phases, and until its step runs
+compiled, on the bundled model. Rows:
+
+- cold: an empty verispec cache (kernels, GGUF index, tokenizer, compiled graphs all built);
+- new file: the same model copied to a path never loaded, with the kernels built (index,
+  tokenizer and graphs from nothing; the graphs' key is the layer shapes, so an identical file's
+  saved graphs would serve it: the Inductor cache is emptied too);
+- warm: the same file again;
+- threads: warm, at another `num_threads` (the graphs do not depend on it);
+- `verispec generate --max-tokens 32`, end to end, warm (the README's first command);
+- `verispec serve`, process start to `/health` 200, warm.
+
+Each in-process row runs `_PROBE` in a child: import, engine, the first token, 32 tokens, the
+compiled step ready (its worker's compile included, in the background).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from benchmarks.report import write_section
+
+_PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+from verispec import LLM, SamplingParams
+t1 = time.perf_counter()
+llm = LLM(sys.argv[1], num_threads=int(sys.argv[2]))
+t2 = time.perf_counter()
+llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+t3 = time.perf_counter()
+llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+t4 = time.perf_counter()
+compiled = llm.engine.wait_for_compiled_step(600)
+t5 = time.perf_counter()
+print(json.dumps({"import": t1 - t0, "engine": t2 - t1, "first_token": t3 - t0, "tokens_32": t4 - t3,
+                  "compiled": t5 - t0 if compiled else None, "phases": llm.engine.startup.summary()}))
+"""
+
+
+@dataclass(slots=True)
+class StartupRow:
+    scenario: str
+    threads: int
+    import_s: float | None = None
+    engine_s: float | None = None
+    first_token_s: float | None = None  # from the process's start
+    tokens_32_s: float | None = None
+    compiled_s: float | None = None  # from the process's start until the step runs compiled
+    wall_s: float | None = None  # for the CLI rows: the whole command
+    phases: str = ""
+
+
+def _env(cache: Path, inductor: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ, VERISPEC_CACHE=str(cache), HF_HUB_OFFLINE="1", VERISPEC_COMPILE="1")
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    if inductor is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+    return env
+
+
+def _probe(scenario: str, model: str, threads: int, env: dict[str, str]) -> StartupRow:
+    run = subprocess.run([sys.executable, "-c", _PROBE, model, str(threads)], env=env, capture_output=True,
+                         text=True, timeout=1800)
+    if run.returncode != 0:
+        raise RuntimeError(f"startup probe {scenario} failed: {run.stderr[-1000:]}")
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return StartupRow(scenario, threads, got["import"], got["engine"], got["first_token"], got["tokens_32"],
+                      got["compiled"], phases=got["phases"])
+
+
+def _wall(cmd: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(cmd, env=env, capture_output=True, check=True, timeout=1800)
+    return time.perf_counter() - start
+
+
+def _serve_to_health(env: dict[str, str], port: int = 8765) -> float:
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "verispec", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.perf_counter() - start < 600:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - start
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("verispec serve did not answer /health within 600 s")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def run_startup(quick: bool, threads: int, log: Callable[[str], None]) -> list[StartupRow]:
+    from verispec.models.default import default_model_path
+
+    model = default_model_path()
+    root = Path(tempfile.mkdtemp(prefix="verispec-startup-"))
+    rows: list[StartupRow] = []
+    try:
+        cold = root / "cold"
+        if not quick:
+            log("startup: cold (an empty cache: the kernels build)")
+            rows.append(_probe("cold (empty cache)", model, threads, _env(cold)))
+        home = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec")
+        fresh = root / "new.gguf"
+        shutil.copyfile(model, fresh)
+        log("startup: a new model file, the kernels built")
+        warm_env = _env(home, root / "inductor")
+        rows.append(_probe("new file (kernels built)", str(fresh), threads, warm_env))
+        log("startup: warm")
+        rows.append(_probe("warm", str(fresh), threads, warm_env))
+        other = 1 if threads != 1 else 2
+        rows.append(_probe(f"warm, num_threads {threads} -> {other}", str(fresh), other, warm_env))
+        cli = [sys.executable, "-m", "verispec", "generate", "The capital of France is", "--max-tokens", "32",
+               "--model", str(fresh)]
+        rows.append(StartupRow("verispec generate, 32 tokens, warm", threads, wall_s=_wall(cli, warm_env)))
+        rows.append(StartupRow("verispec serve to /health 200, warm", threads,
+                               wall_s=_serve_to_health(warm_env)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
+
+
+def format_startup(rows: list[StartupRow]) -> str:
+    lines = ["| scenario | threads | import s | engine s | first token s | 32 tokens s | compiled step s | "
+             "command s | engine phases |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.scenario} | {r.threads} | {_fmt(r.import_s)} | {_fmt(r.engine_s)} | "
+                     f"{_fmt(r.first_token_s)} | {_fmt(r.tokens_32_s)} | {_fmt(r.compiled_s)} | {_fmt(r.wall_s)} | "
+                     f"{r.phases.removeprefix('engine started in ')} |")
+    return "\n".join(lines)
+
+
+def write_startup(out: Path, machine: dict[str, Any], rows: list[StartupRow]) -> str:
+    return write_section(out, "startup", format_startup(rows), {"machine": machine, "rows": [asdict(r) for r in rows]})
