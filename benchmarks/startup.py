@@ -2,7 +2,7 @@
 how long from a process's start until it answers, split into phases, and until its step runs
 compiled, on the bundled model. Rows:
 
-- cold: an empty verispec cache (kernels, GGUF index, tokenizer, compiled graphs all built);
+- cold: an empty cache (kernels, GGUF index, tokenizer, compiled graphs all built);
 - new file: the same model copied to a path never loaded, with the kernels built (index,
   tokenizer and graphs from nothing; the graphs' key is the layer shapes, so an identical file's
   saved graphs would serve it: the Inductor cache is emptied too);
@@ -63,7 +63,9 @@ class StartupRow:
 
 
 def _env(cache: Path, inductor: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ, VERISPEC_CACHE=str(cache), HF_HUB_OFFLINE="1", VERISPEC_COMPILE="1")
+    from verispec import envs
+
+    env = {**os.environ, envs.CACHE: str(cache), envs.COMPILE: "1", "HF_HUB_OFFLINE": "1"}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     if inductor is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
@@ -115,7 +117,9 @@ def run_startup(quick: bool, threads: int, log: Callable[[str], None]) -> list[S
         if not quick:
             log("startup: cold (an empty cache: the kernels build)")
             rows.append(_probe("cold (empty cache)", model, threads, _env(cold)))
-        home = Path(os.environ.get("VERISPEC_CACHE") or Path.home() / ".cache" / "verispec")
+        from verispec import envs
+
+        home = Path(envs.cache_root())
         fresh = root / "new.gguf"
         shutil.copyfile(model, fresh)
         log("startup: a new model file, the kernels built")
