@@ -31,13 +31,16 @@ runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls the
 from __future__ import annotations
 
 import atexit
+import getpass
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -77,9 +80,10 @@ def inductor_cache_dir() -> str:
 
 
 def _is_inductor_default(path: str) -> bool:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # imports Inductor: only where needed
-
-    return os.path.abspath(path) == os.path.abspath(default_cache_dir())
+    """Whether `path` is Inductor's shared default (its rule, without importing Inductor, which
+    costs seconds)."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return os.path.abspath(path) == os.path.abspath(os.path.join(tempfile.gettempdir(), "torchinductor_" + user))
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,10 +91,23 @@ def build_levels(capability: str | None = None) -> list[str]:
     return order[order.index(capability):] if capability in order else ["DEFAULT"]
 
 
+@functools.cache
+def vnni_defines() -> tuple[str, ...]:
+    """The packed matmul's VNNI variants this CPU runs (its flags as the kernel reads them from
+    CPUID, through the OS's /proc/cpuinfo); a variant no CPU here runs is not compiled."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return tuple(d for flag, d in (("avx_vnni", "-DVS_BUILD_AVXVNNI"), ("avx512_vnni", "-DVS_BUILD_AVX512VNNI"))
+                 if flag in flags)
+
+
 def _compile_command(cxx: str, source: Path, obj: Path, level: str) -> list[str]:
     macro, flags = _LEVELS[level]
     cmd = [cxx, "-c", str(source), "-o", str(obj), "-fPIC", "-O3", "-std=c++17", "-fopenmp",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags]
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags, *vnni_defines()]
     if macro:
         cmd.append(f"-D{macro}")
     return cmd + [f"-I{p}" for p in cpp_extension.include_paths()]
@@ -127,7 +140,8 @@ def _run_all(commands: list[list[str]]) -> tuple[bool, str]:
 def _key(cxx: str, level: str) -> str:
     stat = os.stat(cxx)  # another compiler (or an upgraded one) gets another try
     parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [
-        torch.__version__.encode(), repr(_LEVELS[level]).encode(), sys.version.encode(), f"{cxx}:{stat.st_mtime_ns}".encode()]
+        torch.__version__.encode(), repr((_LEVELS[level], vnni_defines())).encode(), sys.version.encode(),
+        f"{cxx}:{stat.st_mtime_ns}".encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -169,7 +183,7 @@ def build(cxx: str, level: str) -> Path:
     """The library for `level`, compiled on first use (`build_once`)."""
 
     def compile_into(built: Path) -> tuple[bool, str]:
-        logger.info("building verispec's CPU kernels for %s (once per machine, about 75 s)", level)
+        logger.info("building verispec's CPU kernels for %s (once per machine, about 2 minutes on 2 cores)", level)
         objs = [built.parent / f"{src.stem}.o" for src in _SOURCES]
         ok, output = _run_all([_compile_command(cxx, src, obj, level) for src, obj in zip(_SOURCES, objs)])
         if ok:

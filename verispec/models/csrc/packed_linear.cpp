@@ -36,10 +36,13 @@
 #include <immintrin.h>
 #define VS_X86 1
 #endif
-// The VNNI variants are compiled under GCC's target pragmas (not clang's): without them a build
-// still has every other variant.
-#if defined(VS_X86) && defined(__GNUC__) && !defined(__clang__)
-#define VS_VNNI 1
+// The VNNI variants are compiled under GCC's target pragmas (not clang's), and only where the CPU
+// runs them (cpu_kernels.py passes VS_BUILD_*VNNI): each is a third of the build's time.
+#if defined(VS_X86) && defined(__GNUC__) && !defined(__clang__) && defined(VS_BUILD_AVXVNNI)
+#define VS_AVX2_VNNI 1
+#endif
+#if defined(VS_X86) && defined(__GNUC__) && !defined(__clang__) && defined(VS_BUILD_AVX512VNNI)
+#define VS_AVX512_VNNI 1
 #endif
 
 namespace {
@@ -246,7 +249,7 @@ VS_AVX2_TRAITS(avx2_dot, avx2_dot8, avx2_widen, false)
 #include "packed_linear_body.h"
 }  // namespace avx2
 
-#if defined(VS_VNNI)
+#if defined(VS_AVX2_VNNI)
 #pragma GCC push_options
 #pragma GCC target("avxvnni")
 namespace avx2_vnni {
@@ -313,7 +316,7 @@ VS_AVX512_TRAITS(avx512_dot, avx512_dot8, avx512_widen, false)
 #include "packed_linear_body.h"
 }  // namespace avx512
 
-#if defined(VS_VNNI)
+#if defined(VS_AVX512_VNNI)
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 namespace avx512_vnni {
@@ -347,13 +350,13 @@ struct Variant {
 const std::vector<Variant>& variants() {
   static const std::vector<Variant> v = {
 #if defined(CPU_CAPABILITY_AVX512) && defined(VS_X86)
-#if defined(VS_VNNI)
+#if defined(VS_AVX512_VNNI)
       {"avx512_vnni", [] { return cpuid7(0, 2, 11); }, avx512_vnni::table},
 #endif
       {"avx512", always, avx512::table},
 #endif
 #if defined(VS_X86)
-#if defined(VS_VNNI)
+#if defined(VS_AVX2_VNNI)
       {"avx2_vnni", [] { return cpuid7(1, 0, 4); }, avx2_vnni::table},
 #endif
       {"avx2", always, avx2::table},
