@@ -322,9 +322,11 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     import torch
 
+    from verispec.models.cpu_kernels import kernel_build
     from verispec.models.default import default_model_path
     from verispec.models.loader import load_tokenizer
 
+    kernel_build(wait=True)  # an engine would run on torch's kernels while a first build runs: not what is measured
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     threads = torch.get_num_threads()  # llama.cpp gets the same count as torch, for a fair fight

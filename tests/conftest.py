@@ -116,6 +116,15 @@ def make_tiny_checkpoint(path, arch: str = "llama", seed: int | None = None, **o
     return str(path)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernels_built_before_any_engine() -> None:
+    """An engine does not wait for a first kernel build (it runs on torch's kernels and builds them in
+    the background); the tests do, so every engine here runs on the kernels where they can exist."""
+    from verispec.models.cpu_kernels import kernel_build
+
+    kernel_build(wait=True)
+
+
 @pytest.fixture(scope="module")
 def cpu_kernels_loaded() -> None:
     """verispec's CPU kernels built and loaded; a failed build fails the test with its reason."""

@@ -18,7 +18,7 @@ from test_llama import hf_logits, run_ours
 from verispec import LLM, SamplingParams
 from verispec.models import compile as compile_mod
 from verispec.models import linear
-from verispec.models import cpu_kernels
+from verispec.models import kernel_compiler
 from verispec.models.cpu_kernels import kernels_wanted
 
 
@@ -121,7 +121,7 @@ def test_enforce_eager_and_the_environment_switch_compilation_off(tiny_llama, mo
 
 def test_no_cpp_compiler_falls_back_to_eager(monkeypatch, caplog):
     monkeypatch.setenv("VERISPEC_COMPILE", "1")
-    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.setattr(kernel_compiler.shutil, "which", lambda name: None)
     with caplog.at_level(logging.WARNING, logger="verispec.compile"):
         assert not compile_mod.compile_wanted(False, torch.device("cpu"))
     assert "no C++ compiler" in caplog.text

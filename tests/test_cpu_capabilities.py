@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.models.cpu_kernels import build_levels
+from verispec.models.kernel_compiler import build_levels
 from verispec.models.loader import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,14 +4,19 @@ for: a row's output does not depend on how the step was cut (chunks, verify rows
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
+import time
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verispec.models import cpu_kernels
+from test_kernel_compiler import fake_compiler, wait_for_builder
+from verispec import LLM, SamplingParams
+from verispec.models import cpu_kernels, kernel_compiler
 from verispec.models.attention import SeqSpan, build_attention_metadata, paged_attention
 from verispec.models.kv_cache_tensors import kernel_layout, new_layer_cache
 
@@ -272,20 +277,45 @@ def test_a_failed_level_falls_back_once_and_is_remembered(monkeypatch, tmp_path)
     assert chosen.level == "AVX2" and len(loaded) == 1 and "avx2" in loaded[0]
     assert "the AVX512 build failed (fake-g++: x.cpp:1:2: error: no AVX-512 here)" in chosen.reason
     log = next((tmp_path / "cache" / "kernels").glob("*avx512*.log"))
-    assert log.read_text().splitlines() == ["x.cpp:1:2: error: no AVX-512 here", "more"] * len(cpu_kernels._SOURCES)
+    assert log.read_text().splitlines() == ["x.cpp:1:2: error: no AVX-512 here", "more"] * len(kernel_compiler._SOURCES)
     assert str(log) in chosen.reason
     built = len(calls.read_text().splitlines())
-    assert built == 2 * len(cpu_kernels._SOURCES) + 1  # each source at AVX512, then at AVX2, one link
+    assert built == 2 * len(kernel_compiler._SOURCES) + 1  # each source at AVX512, then at AVX2, one link
     again = cpu_kernels.load_best(str(fake), ["AVX512", "AVX2", "DEFAULT"], loaded.append)
     assert again == chosen and len(calls.read_text().splitlines()) == built  # nothing recompiled
 
 
-def test_every_level_has_flags_and_the_portable_build_has_none():
-    assert cpu_kernels.build_levels("AVX512") == ["AVX512", "AVX2", "DEFAULT"]
-    assert cpu_kernels.build_levels("AVX2") == ["AVX2", "DEFAULT"]
-    assert cpu_kernels.build_levels("SVE256") == ["DEFAULT"]  # another architecture: portable only
-    src, obj = cpu_kernels._SOURCES[0], cpu_kernels.Path("x.o")
-    avx2 = cpu_kernels._compile_command("g++", src, obj, "AVX2")
-    assert {"-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"} <= set(avx2)
-    portable = cpu_kernels._compile_command("g++", src, obj, "DEFAULT")
-    assert not [a for a in portable if a.startswith("-m") or "CPU_CAPABILITY" in a]
+def test_an_engine_answers_at_once_while_a_first_build_runs_in_the_background(monkeypatch, tmp_path, tiny_llama):
+    """No library built yet: the engine starts the build in a background process, answers on torch's
+    kernels (SDPA attention) without waiting for it, and says so; it runs on one thread fewer while
+    the build runs, and on all its threads from the first step after the build ends."""
+    fake, calls = fake_compiler(tmp_path, 60)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", fake)
+    monkeypatch.setenv("VERISPEC_COMPILE", "1")
+    cpu_kernels.kernel_build.cache_clear()
+    threads = torch.get_num_threads()
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    try:
+        started = time.monotonic()
+        llm = LLM(tiny_llama, max_model_len=128, enforce_eager=False)
+        out = llm.generate([[1, 2, 3]], greedy)[0]
+        assert time.monotonic() - started < 50  # the build (two 60 s compiler calls) is not waited for
+        assert len(out.outputs[0].token_ids) == 4
+        assert llm.engine.runtime.kernels == "off (building in the background)"
+        assert llm.engine.model.compiled is None  # nothing compiled around torch's kernels
+        assert not kernel_layout(torch.device("cpu"), BLOCK, 64)  # attention on SDPA
+        assert torch.get_num_threads() == max(1, threads - 1)  # a core left to the build
+        builder = wait_for_builder()
+        assert builder != os.getpid()  # still building, in its own process
+        os.killpg(builder, signal.SIGKILL)  # the build ends (here: killed)
+        assert cpu_kernels._share.ended.wait(30)
+        assert llm.generate([[1, 2, 3]], greedy)[0].outputs[0].token_ids == out.outputs[0].token_ids
+        assert torch.get_num_threads() == threads  # all of them again
+    finally:
+        if (pid := kernel_compiler.building_pid()) is not None:
+            os.killpg(pid, signal.SIGKILL)
+        monkeypatch.undo()
+        cpu_kernels.kernel_build.cache_clear()
+        torch.set_num_threads(threads)
+    assert cpu_kernels.cpu_kernels_available()

@@ -27,7 +27,7 @@ from verispec.worker.weight_sync import (UpdateWhileRunning, WeightGroupLink, We
                                          WeightVersions, timed_update, update_model_weights)
 from verispec.host_memory import keep_freed_memory
 from verispec.models.compile import CompileSource, compile_wanted, compiled_step
-from verispec.models.cpu_kernels import kernel_build
+from verispec.models.cpu_kernels import kernel_build, share_cores
 from verispec.models.default import default_model_path
 from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision, weight_kinds
 from verispec.outputs import RequestOutput
@@ -73,7 +73,7 @@ class LLMEngine:
         # Start-up work that waits on subprocesses or files runs beside the checkpoint read: the
         # kernels' compiler (once per machine) and the tokenizer (read from the GGUF file once).
         background = ThreadPoolExecutor(2, thread_name_prefix="verispec-start")
-        kernels = background.submit(kernel_build) if config.device.type == "cpu" else None
+        kernels = background.submit(kernel_build, wait=False) if config.device.type == "cpu" else None
         self._tokenizer = background.submit(load_tokenizer, model_path)
         background.shutdown(wait=False)
         try:
@@ -84,6 +84,7 @@ class LLMEngine:
             if kernels is not None:
                 with self.startup.phase("kernels"):  # what the build needs past the checkpoint read
                     kernels.result()
+                share_cores()  # while a first build runs beside: one thread fewer, here and at each step
             with self.startup.phase("model"):
                 if self.tp is not None:
                     self.tp.connect(model_cfg)
@@ -144,8 +145,7 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self.num_steps = 0
         self._seed_gen = torch.Generator().manual_seed(config.seed)
-        self.weight_versions = WeightVersions()
-        self.weight_link = WeightGroupLink()
+        self.weight_versions, self.weight_link = WeightVersions(), WeightGroupLink()
 
     @property
     def spec_metrics(self) -> SpecDecodeMetrics:

@@ -49,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from verispec.models.cpu_kernels import cxx_compiler
+from verispec.models.cpu_kernels import kernel_build
+from verispec.models.kernel_compiler import cxx_compiler
 from verispec.models.layer_graph import LayerGraph, check_piece, compile_piece, inductor_options, plan_pieces
 from verispec.models.linear import KERNEL_MAX_ROWS
 from verispec.models.loader import cache_dir
@@ -64,6 +65,9 @@ def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
         return False
     if cxx_compiler() is None:
         logger.warning("no C++ compiler found: the model runs eager (slower); install g++ to compile it")
+        return False
+    if kernel_build().building:  # a graph of torch's kernels would be thrown away at the next start
+        logger.info("the model runs eager until verispec's CPU kernels are built; the next start compiles it")
         return False
     return True
 

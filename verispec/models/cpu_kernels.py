@@ -15,53 +15,30 @@
   arithmetic for any number of rows.
 - RMSNorm in one fixed order of fp32 sums (`csrc/rms_norm.cpp`), the compiled step's norm.
 
-The library is compiled at torch's own CPU dispatch level (`torch.backends.cpu.get_cpu_capability()`,
-which `ATEN_CPU_CAPABILITY` can lower) with the flags torch builds that level with, into `kernels/`
-under verispec's cache (default `~/.cache/verispec`, verispec/envs.py), keyed by the source,
-torch's version, the level, its flags and the compiler, so a machine builds it once (about 75 s on
-2 cores: the packed matmul's five variants are most of it). A level whose
-build fails falls back to the next one down (AVX512, AVX2, then the portable build); the failure is
-remembered beside the library, with the compiler's full output in a log file, and reported in one
-line, so a machine does not retry it at every start. No compiler, every build failed, or
-the kernels switched off in the environment (verispec/envs.py): attention falls back to SDPA, with
-the same results up to rounding.
+The library is built once per machine (`kernel_compiler.py`: torch's own CPU dispatch level,
+`torch.backends.cpu.get_cpu_capability()`, which `ATEN_CPU_CAPABILITY` can lower, with the flags torch
+builds that level with; a level whose build fails falls back to the next one down, AVX512, AVX2,
+then the portable build). An engine does not wait for a first build: it starts the build in a
+background process and runs on torch's kernels until its next start (`kernel_build(wait=False)`);
+tests and benchmarks wait for the build. No compiler, every build failed, or the kernels switched
+off in the environment (verispec/envs.py): attention falls back to SDPA and the fast tier's
+matrices to torch's int4 kernel, with the same results up to rounding.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.utils.cpp_extension as cpp_extension
 
 from verispec import envs
-from verispec.models.loader import cache_dir
+from verispec.models.kernel_compiler import BUILD_TIME, BuildFailed, build, build_in_background, build_levels, built, \
+    cxx_compiler, stem
 
 logger = logging.getLogger("verispec.kernels")
-
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.cpp", "quant_linear.cpp", "packed_linear.cpp", "packed_layout.cpp",
-                                       "gguf_pack.cpp", "rms_norm.cpp")]
-# Included by the sources: part of the build's key.
-_HEADERS = [_CSRC / name for name in ("attention_tiles.h", "packed_activations.h", "packed_layout.h", "packed_linear_body.h",
-                                        "packed_tile_qx.h")]
-# torch's CPU dispatch levels, best first -> the macro its vector headers read and the flags torch
-# compiles that level's kernels with (AVX2's headers convert halves with F16C instructions).
-_LEVELS = {
-    "AVX512": ("CPU_CAPABILITY_AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
-    "AVX2": ("CPU_CAPABILITY_AVX2", ["-mavx2", "-mfma", "-mf16c"]),
-    "DEFAULT": (None, []),  # portable: the headers' scalar-loop vectors, any x86-64 (or other) CPU
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +47,7 @@ class KernelBuild:
 
     level: str | None
     reason: str = ""  # why not torch's own level, or why none; empty when all is as wanted
+    building: bool = False  # not built yet: a background process builds them for the next start
 
     def describe(self) -> str:
         """For the start-up line and the metrics label: the level, and the packed matmul's
@@ -79,139 +57,33 @@ class KernelBuild:
         return f"verispec {self.level} (packed {torch.ops.verispec_cpu.packed_variants()[0]})"
 
 
-def cxx_compiler() -> str | None:
-    """The C++ compiler torch.compile and verispec's kernels use: $CXX, else g++, else clang++."""
-    return next((shutil.which(cc) for cc in (os.environ.get("CXX"), "g++", "clang++") if cc and shutil.which(cc)), None)
+_build_lock = threading.Lock()  # the engine asks from a start-up thread; a model that needs them waits
+_chosen: KernelBuild | None = None
 
 
-def build_levels(capability: str | None = None) -> list[str]:
-    """torch's level (this process's dispatch), then every level below it."""
-    capability = capability or torch.backends.cpu.get_cpu_capability()
-    order = list(_LEVELS)
-    return order[order.index(capability):] if capability in order else ["DEFAULT"]
-
-
-@functools.cache
-def vnni_defines() -> tuple[str, ...]:
-    """The packed matmul's VNNI variants this CPU runs (its flags as the kernel reads them from
-    CPUID, through the OS's /proc/cpuinfo); a variant no CPU here runs is not compiled."""
-    try:
-        flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return tuple(d for flag, d in (("avx_vnni", "-DVS_BUILD_AVXVNNI"), ("avx512_vnni", "-DVS_BUILD_AVX512VNNI"))
-                 if flag in flags)
-
-
-def _compile_command(cxx: str, source: Path, obj: Path, level: str) -> list[str]:
-    macro, flags = _LEVELS[level]
-    cmd = [cxx, "-c", str(source), "-o", str(obj), "-fPIC", "-O3", "-std=c++17", "-fopenmp",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags, *vnni_defines()]
-    if macro:
-        cmd.append(f"-D{macro}")
-    return cmd + [f"-I{p}" for p in cpp_extension.include_paths()]
-
-
-def _link_command(cxx: str, objs: list[Path], target: Path) -> list[str]:
-    cmd = [cxx, *map(str, objs), "-o", str(target), "-shared", "-fopenmp"]
-    for lib_dir in cpp_extension.library_paths():
-        cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
-    return cmd + ["-lc10", "-ltorch", "-ltorch_cpu"]
-
-
-def _run_all(commands: list[list[str]]) -> tuple[bool, str]:
-    """Runs the commands at once (one source per core: most of the time goes to parsing ATen's
-    headers); whether all succeeded, and their output."""
-    procs, output, ok = [], [], True
-    for cmd in commands:
-        try:
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        except OSError as exc:
-            ok = False
-            output.append(f"{cmd[0]}: {exc}")
-    for proc in procs:
-        out, _ = proc.communicate()
-        ok = ok and proc.returncode == 0
-        output.append(out)
-    return ok, "".join(output)
-
-
-def _key(cxx: str, level: str) -> str:
-    stat = os.stat(cxx)  # another compiler (or an upgraded one) gets another try
-    parts = [p.read_bytes() for p in _SOURCES + _HEADERS] + [
-        torch.__version__.encode(), repr((_LEVELS[level], vnni_defines())).encode(), sys.version.encode(),
-        f"{cxx}:{stat.st_mtime_ns}".encode()]
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-
-
-class BuildFailed(RuntimeError):
-    def __init__(self, what: str, cause: str, log: Path):
-        super().__init__(f"the {what} build failed ({cause}); compiler output in {log}")
-
-
-def _first_error(output: str) -> str:
-    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    return next((ln for ln in lines if "error" in ln), lines[-1] if lines else "no output")[:160]
-
-
-def build_once(stem: str, what: str, cxx: str, compile_into) -> Path:
-    """`kernels/<stem>.so` under verispec's cache, made by `compile_into(path)` (which returns
-    whether it succeeded and the compiler's output) on first use. Raises `BuildFailed`, also for a
-    failure remembered from an earlier start: delete the .failed file, or change the compiler, to
-    retry."""
-    cache = cache_dir() / "kernels"
-    target, failed, log = cache / f"{stem}.so", cache / f"{stem}.failed", cache / f"{stem}.log"
-    if target.exists():
-        return target
-    if failed.exists():
-        raise BuildFailed(what, failed.read_text().strip() or "an earlier start", log)
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
-        ok, output = compile_into(built)
-        if not ok or not built.exists():
-            log.write_text(output)
-            cause = f"{Path(cxx).name}: {_first_error(output)}"
-            failed.write_text(cause + "\n")
-            raise BuildFailed(what, cause, log)
-        os.replace(built, target)  # atomic: a concurrent builder never loads half a file
-    return target
-
-
-def build(cxx: str, level: str) -> Path:
-    """The library for `level`, compiled on first use (`build_once`)."""
-
-    def compile_into(built: Path) -> tuple[bool, str]:
-        logger.info("building verispec's CPU kernels for %s (once per machine, about 2 minutes on 2 cores)", level)
-        objs = [built.parent / f"{src.stem}.o" for src in _SOURCES]
-        ok, output = _run_all([_compile_command(cxx, src, obj, level) for src, obj in zip(_SOURCES, objs)])
-        if ok:
-            ok, linked = _run_all([_link_command(cxx, objs, built)])
-            output += linked
-        return ok, output
-
-    return build_once(f"verispec_cpu-{level.lower()}-{_key(cxx, level)}", level, cxx, compile_into)
-
-
-_build_lock = threading.Lock()  # the engine starts the build in a thread; a model that needs it waits
-
-
-def kernel_build() -> KernelBuild:
-    """Builds and loads the best level that builds, once per process."""
+def kernel_build(wait: bool = True) -> KernelBuild:
+    """The kernels this process runs on, decided by its first call and kept: the best level that
+    builds and loads. Without `wait`, a library not built yet is built by a background process
+    for the next start, and this process runs without (an engine's first answer does not wait
+    minutes for a compiler)."""
+    global _chosen
     with _build_lock:
-        return _kernel_build()
+        if _chosen is None:
+            _chosen = _decide(wait)
+        return _chosen
 
 
-@functools.cache
-def _kernel_build() -> KernelBuild:
+def _decide(wait: bool) -> KernelBuild:
     if not envs.cpu_kernels_enabled():
         return KernelBuild(None, f"{envs.CPU_KERNELS}=0")
     cxx = cxx_compiler()
     if cxx is None:
         return KernelBuild(None, "no C++ compiler; install g++")
-    chosen = load_best(cxx, build_levels(), torch.ops.load_library)
-    if chosen.level is None:
+    chosen = load_best(cxx, build_levels(), torch.ops.load_library, wait)
+    if chosen.building:
+        logger.info("building verispec's CPU kernels in the background (once per machine, %s, at low priority); "
+                    "until the next start, attention runs on SDPA and the matrices on torch's kernels", BUILD_TIME)
+    elif chosen.level is None:
         logger.warning("verispec's CPU kernels are unavailable; attention runs on SDPA and 8-bit matrices on "
                        "int4 planes (slower): %s", chosen.reason)
     else:
@@ -221,15 +93,19 @@ def _kernel_build() -> KernelBuild:
     return chosen
 
 
-def load_best(cxx: str, levels: list[str], load) -> KernelBuild:
-    """The first of `levels` that builds and loads (`load(path)`), with the failures above it."""
+def load_best(cxx: str, levels: list[str], load, wait: bool = True) -> KernelBuild:
+    """The first of `levels` that builds and loads (`load(path)`), with the failures above it.
+    Without `wait`, the first level not built yet starts a background build and ends the search."""
     failures = []
-    for level in levels:
+    for i, level in enumerate(levels):
         try:
-            path = build(cxx, level)
+            path = build(cxx, level) if wait else built(stem(cxx, level), level)
         except BuildFailed as exc:
             failures.append(str(exc))
             continue
+        if path is None:
+            _share_cores_until(build_in_background(cxx, levels[i:]))
+            return KernelBuild(None, "building in the background", building=True)
         try:
             load(str(path))
         except Exception as exc:  # noqa: BLE001 - a library that does not load: the next level down
@@ -239,7 +115,47 @@ def load_best(cxx: str, levels: list[str], load) -> KernelBuild:
     return KernelBuild(None, "; ".join(failures))
 
 
-kernel_build.cache_clear = _kernel_build.cache_clear  # for tests that switch the kernels off and on
+class _CoreShare:
+    """The cores an engine shares with a background build, while it runs."""
+
+    def __init__(self, wait_for_build: Callable[[], object]):
+        self.ended = threading.Event()
+        self.full: dict[int, int] = {}  # thread -> its own thread count
+        threading.Thread(target=lambda: (wait_for_build(), self.ended.set()), daemon=True,
+                         name="verispec-kernel-build").start()
+
+
+_share: _CoreShare | None = None
+
+
+def _share_cores_until(wait_for_build: Callable[[], object]) -> None:
+    global _share
+    _share = _CoreShare(wait_for_build)
+
+
+def share_cores() -> None:
+    """Called on the thread that runs an engine's ops, as it starts and before each step: while a
+    background build runs, that thread's ops run on one thread fewer (at least one) and the build
+    on the core left (one source at a time); its own count once the build ends. On a 2-core VM an
+    engine's two threads beside one compiler started and answered 5-10x slower (each parallel
+    region waits for its descheduled thread), one thread beside it at about its quiet speed.
+    torch's thread count belongs to the thread that sets it, hence the per-thread record."""
+    share = _share
+    if share is None:
+        return
+    full = share.full.setdefault(threading.get_ident(), torch.get_num_threads())
+    want = full if share.ended.is_set() else max(1, full - 1)
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+
+
+def _forget() -> None:
+    """For tests that switch the kernels off and on: the next call decides again."""
+    global _chosen, _share
+    _chosen = _share = None
+
+
+kernel_build.cache_clear = _forget
 
 
 def cpu_kernels_available() -> bool:

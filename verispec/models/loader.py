@@ -149,10 +149,7 @@ def internal_name(name: str, cfg: ModelConfig | None = None) -> str | None:
 
 # -------------------------------------------------------------------------------------- GGUF
 def _gguf_field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+    return reader.fields.get(key, default)
 
 
 def _gguf_config(reader) -> ModelConfig:

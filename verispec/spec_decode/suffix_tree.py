@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch.utils.cpp_extension as cpp_extension
 
-from verispec.models.cpu_kernels import BuildFailed, build_once, cxx_compiler
+from verispec.models.kernel_compiler import BuildFailed, build_once, cxx_compiler
 
 _SOURCE = Path(__file__).parent / "csrc" / "suffix_tree.cpp"
 _MODULE = "verispec_suffix"

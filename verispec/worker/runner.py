@@ -19,6 +19,7 @@ from verispec.device_copy import to_device
 from verispec.core.kv_cache import BlockPool
 from verispec.core.step_types import ScheduledRequest, SchedulerOutput, StepResult
 from verispec.models.attention import SeqSpan, build_attention_metadata
+from verispec.models.cpu_kernels import share_cores
 from verispec.models.llama import LlamaModel
 from verispec.outputs import LogprobsTensors
 from verispec.core.request import Request
@@ -66,6 +67,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """The step's results. Reads `sched` and never changes it: running it again (the engine's
         crash isolation does) computes the same step."""
+        share_cores()  # the cores back once a background kernel build has ended
         began = time.perf_counter()
         drafts = self.drafter.draft(self.draft_inputs, sched.scheduled) if self.drafter is not None else {}
         # On a CPU the drafting's whole cost; on CUDA only its launches (the work runs on with the step).

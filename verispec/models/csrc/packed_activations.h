@@ -21,13 +21,7 @@
 
 #include "packed_layout.h"
 
-namespace {
-
-constexpr int32_t kAct16Max = 32767, kAct8Max = 127, kResidualSteps = 254;
-// A group whose max |x| exceeds 4x its root mean square keeps a residual: in int8 units,
-// sum(q1^2) < 2 * 127^2.
-constexpr int32_t kOutlierSquares = 2 * kAct8Max * kAct8Max;
-
+namespace vs {  // named: the tiles of each instruction set take it from their own sources
 struct Act {  // a call's activations, one layout per weight format
   const int16_t* q16;  // [M, K]: Q8_0's int16 values
   const int8_t* q8;    // [M, K]: int8 values
@@ -39,6 +33,16 @@ struct Act {  // a call's activations, one layout per weight format
   const int32_t* hsum;  // [M, groups, 2]: int8: the sum over inputs 0..15 and 16..31 (Q6_K's sub-blocks)
   int64_t k, groups;
 };
+}  // namespace vs
+
+namespace {
+
+constexpr int32_t kAct16Max = 32767, kAct8Max = 127, kResidualSteps = 254;
+// A group whose max |x| exceeds 4x its root mean square keeps a residual: in int8 units,
+// sum(q1^2) < 2 * 127^2.
+constexpr int32_t kOutlierSquares = 2 * kAct8Max * kAct8Max;
+
+using vs::Act;
 
 struct ActBuffers {  // owns what an Act points at
   std::vector<int16_t> q16;

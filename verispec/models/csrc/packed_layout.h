@@ -19,9 +19,11 @@
 // offsets), d sc q - dmin mn (Q4_K, Q5_K) or d sc (q - 32) (Q6_K, sc per 16 inputs).
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
+
+#ifndef VS_PACKED_NO_ATEN  // the tiles' own sources do without ATen's headers (a third of a build's time)
+#include <ATen/ATen.h>
+#endif
 
 namespace {
 
@@ -44,6 +46,7 @@ constexpr int64_t high_bytes(int f) { return code_bits(f) == 5 ? 64 : code_bits(
 constexpr int64_t sub_bytes(int f) { return is_kquant(f) ? 2 * kCols : 0; }
 constexpr int64_t group_bytes(int f) { return f == kQ8_0 ? kBytes8 : kBytes4 + high_bytes(f) + sub_bytes(f); }
 
+#ifndef VS_PACKED_NO_ATEN
 inline void check_weights(const at::Tensor& codes, const at::Tensor& scales,
                           const c10::optional<at::Tensor>& offsets, int64_t format, int64_t k) {
   TORCH_CHECK(format >= 0 && format < kFormats, "packed_linear: format must be 0..", kFormats - 1);
@@ -63,5 +66,7 @@ inline void check_weights(const at::Tensor& codes, const at::Tensor& scales,
     TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kHalf && offsets->is_contiguous(),
                 "packed_linear: offsets must match scales");
 }
+
+#endif
 
 }  // namespace

@@ -1,5 +1,5 @@
 // The packed matmul's tiles, written once over a vector traits struct `V` (see packed_linear.cpp).
-// packed_linear.cpp includes this file once per instruction-set variant, inside that variant's
+// Each packed_tiles_<variant>.cpp includes this file once per instruction-set variant, inside that variant's
 // namespace and after its `struct V`, under that variant's target options, so every intrinsic is
 // inlined into code compiled for its own instruction set.
 //
