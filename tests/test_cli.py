@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -63,3 +65,14 @@ def test_python_m_verispec_is_the_command():
 
     out = subprocess.run([sys.executable, "-m", "verispec", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and all(cmd in out.stdout for cmd in ("generate", "serve", "bench"))
+
+
+def test_help_answers_without_importing_torch():
+    """`verispec --help` and a command's `--help` build the parser alone (torch's import is 2 s)."""
+    code = ("import sys\nfrom verispec.entrypoints.cli import main\n"
+            "for argv in (['--help'], ['generate', '--help'], ['serve', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--max-num-seqs" in run.stdout and "--max-tokens" in run.stdout

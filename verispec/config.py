@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from verispec import envs
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LogprobsMode(str, enum.Enum):
@@ -43,14 +44,10 @@ class LogprobsMode(str, enum.Enum):
         return self in (LogprobsMode.RAW_LOGPROBS, LogprobsMode.PROCESSED_LOGPROBS)
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+# Names of torch's dtypes, not the dtypes: the command line's --help builds from this module and
+# does not import torch (2 s).
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+           "fp16": "float16"}
 
 
 # Weight quantizations (the fast tier); see verispec.models.loader.load_checkpoint.
@@ -59,18 +56,22 @@ QUANTIZATIONS = ("gguf", "int4", "int8")
 
 def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
     """None stands for "auto": the engine resolves it from the checkpoint."""
+    import torch
+
     if dtype is None or dtype == "auto":
         return None
     if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
+        if dtype in (torch.float32, torch.bfloat16, torch.float16):
             return dtype
         raise ValueError(f"dtype must be 'auto', float32, bfloat16 or float16; got {dtype}")
     if dtype in _DTYPES:
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     raise ValueError(f"dtype must be one of {['auto'] + sorted(set(_DTYPES))}; got {dtype!r}")
 
 
 def parse_device(device: "str | torch.device") -> torch.device:
+    import torch
+
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
@@ -240,7 +241,8 @@ class EngineConfig:
     quantization: str | None = _option(
         None, "weights stay packed: gguf keeps a GGUF file's blocks, int4/int8 round an HF checkpoint's "
         "(default: gguf for a GGUF file under dtype auto)", type=str, choices=QUANTIZATIONS)
-    device: torch.device = _option(torch.device("cpu"), "cpu, cuda or auto", type=str, user_default="auto")
+    device: torch.device = _option(help="cpu, cuda or auto", factory=lambda: parse_device("cpu"), type=str,
+                                   user_default="auto")
     max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's context)",
                                         type=int)
     max_num_seqs: int = _option(DEFAULT_MAX_NUM_SEQS, "requests in the running batch at most")
@@ -351,9 +353,10 @@ def user_options() -> list[UserOption]:
         meta = f.metadata
         if "help" not in meta:
             continue
-        default = f.default if f.default is not MISSING else f.default_factory()
         if meta["user_default"] is not MISSING:
             default = meta["user_default"]
+        else:
+            default = f.default if f.default is not MISSING else f.default_factory()
         kind = meta["type"] or type(default)
         out.append(UserOption(meta["name"] or f.name, default, kind, meta["help"], meta["choices"], meta["flags"]))
     return out

@@ -100,7 +100,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-logprobs", type=int, default=None)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; `argv` (default: sys.argv's) says whether train-drafter's own
+    flags are needed: its module imports torch and the trainer (2 s), which `--help` should not."""
     parser = argparse.ArgumentParser(prog="verispec", description="verispec: fast speculative decoding, exact logprobs")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -122,9 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(bench)
     trainer = sub.add_parser("train-drafter", help="train a DSpark drafter on the target's own answers (resumable)")
     _add_engine_args(trainer)
-    from verispec.entrypoints import train_drafter
+    if "train-drafter" in (sys.argv[1:] if argv is None else argv):
+        from verispec.entrypoints import train_drafter
 
-    train_drafter.add_arguments(trainer)
+        train_drafter.add_arguments(trainer)
     return parser
 
 
@@ -235,7 +238,7 @@ def _joined_as_worker(args: argparse.Namespace) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         if _joined_as_worker(args):
             return 0
