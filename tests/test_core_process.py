@@ -9,7 +9,8 @@ import msgspec
 
 from test_core_client import GOOD
 from verispec import LLM, SamplingParams
-from verispec.engine.core_process import DeltaTracker, EngineCore, logprob_row, params_to_wire
+from verispec.engine.core_process import DeltaTracker, EngineCore, logprob_row
+from verispec.engine.core_protocol import params_to_wire
 from verispec.engine.core_protocol import AddRequest, AddRequests, CompletionDelta, CoreOutputs, RequestDelta
 from verispec.outputs import CompletionOutput, Logprob, RequestOutput
 

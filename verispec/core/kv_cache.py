@@ -8,12 +8,15 @@ prefix cache's block map (hash -> block); what a hash covers is core/prefix_cach
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from verispec.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the server's frontend imports this module (prefix hashes) and never torch
+    import torch
 
 
 # Without an explicit pool size the KV cache takes at most this much memory.
@@ -36,9 +39,15 @@ def num_kv_blocks(config, model_cfg: ModelConfig, num_kv_heads: int | None = Non
     return max(1, min(want, DEFAULT_KV_CACHE_BYTES // per_block))
 
 
+def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """A full block's name: its parent's hash chained with its token ids (SHA-256). The prefix
+    cache finds blocks by it; the server's frontend routes a prompt to the replica holding it."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
     """A block's bytes across layers, k and v; num_kv_heads: a tensor-parallel rank's share."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
     return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * elem
 

@@ -18,20 +18,15 @@ least recently used first, and a block's rows leave with its KV.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from verispec.core.kv_cache import BlockPool
+from verispec.core.kv_cache import BlockPool, chain_hash
 from verispec.core.request import Request
 from verispec.outputs import LogprobsLists
 from verispec.sample.prompt_logprobs import prompt_rows_key
-
-
-def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 @dataclass(slots=True)

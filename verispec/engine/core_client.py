@@ -20,11 +20,10 @@ import zmq
 import zmq.asyncio
 
 from verispec.config import EngineConfig
-from verispec.engine.core_process import params_to_wire, run_engine_core
 from verispec.engine.core_protocol import (
     AbortRequests, AddRequest, AddRequests, ContinueGeneration, ControlReply, CoreFailed, CoreMessage, CoreOutputs,
     CoreReady, EngineStats, InitWeightsUpdateGroup, PauseGeneration, RequestDelta, ResetPrefixCache, Shutdown,
-    UpdateWeightsFromDisk, UpdateWeightsFromDistributed, split_encodable,
+    UpdateWeightsFromDisk, UpdateWeightsFromDistributed, params_to_wire, split_encodable,
 )
 from verispec.sampling_params import SamplingParams
 
@@ -35,6 +34,14 @@ _WATCHDOG_S = 0.2
 
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; requests fail fast with 503."""
+
+
+def _run_core(*args) -> None:
+    """The core process's entry: the engine's modules (torch's among them) load there, not in the
+    frontend, whose own start-up then runs beside the core's."""
+    from verispec.engine.core_process import run_engine_core
+
+    run_engine_core(*args)
 
 
 class EngineStartError(RuntimeError):
@@ -77,7 +84,7 @@ class AsyncEngineClient:
         # event loop is not safe.
         ctx = multiprocessing.get_context("spawn")
         self._proc = ctx.Process(
-            target=run_engine_core, args=(self.config, in_addr, out_addr), name="verispec-core", daemon=True
+            target=_run_core, args=(self.config, in_addr, out_addr), name="verispec-core", daemon=True
         )
         self._proc.start()
         deadline = time.monotonic() + timeout_s

@@ -33,17 +33,6 @@ logger = logging.getLogger("verispec.core")
 _IDLE_POLL_MS = 500
 
 
-def params_to_wire(params: SamplingParams) -> dict:
-    """SamplingParams' public fields as plain data (the engine-derived ones stay behind)."""
-    out = {}
-    for f in fields(params):
-        if f.name.startswith("_"):
-            continue
-        value = getattr(params, f.name)
-        out[f.name] = value.value if hasattr(value, "value") else value
-    return out
-
-
 def logprob_row(entry: dict[int, Logprob] | None) -> LogprobRow | None:
     if entry is None:
         return None

@@ -9,6 +9,7 @@ logprob row is three parallel lists instead of a list of Logprob objects.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import msgspec
@@ -251,3 +252,14 @@ def split_encodable(encoder: msgspec.msgpack.Encoder, items: list) -> tuple[list
         except Exception as exc:  # noqa: BLE001 - msgspec raises OverflowError, TypeError, ...
             bad.append((item, exc))
     return good, bad
+
+
+def params_to_wire(params) -> dict:
+    """SamplingParams' public fields as plain data (the engine-derived ones stay behind)."""
+    out = {}
+    for f in fields(params):
+        if f.name.startswith("_"):
+            continue
+        value = getattr(params, f.name)
+        out[f.name] = value.value if hasattr(value, "value") else value
+    return out

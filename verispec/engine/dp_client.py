@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from verispec.config import EngineConfig
 from verispec.engine.core_client import AsyncEngineClient, EngineDeadError
 from verispec.engine.core_protocol import ControlReply, CoreReady, EngineStats, RequestDelta
-from verispec.core.prefix_cache import chain_hash
+from verispec.core.kv_cache import chain_hash
 from verispec.sampling_params import SamplingParams
 
 logger = logging.getLogger("verispec.dp")

@@ -212,12 +212,14 @@ def _serve(args: argparse.Namespace) -> int:
 def _joined_as_worker(args: argparse.Namespace) -> bool:
     """Under torchrun every rank runs the same command; ranks other than 0 serve rank 0's model
     calls until it stops, and return True."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp < 2:  # before the imports below: they bring torch, which a server's frontend does without
+        return False
     from verispec.config import EngineConfig
     from verispec.distributed.comm import Rendezvous
 
     rv = Rendezvous.from_env()
-    tp = getattr(args, "tensor_parallel_size", 1)
-    if tp < 2 or rv is None or rv.size < 2:
+    if rv is None or rv.size < 2:
         return False
     if getattr(args, "data_parallel_size", 1) > 1:
         raise ValueError("--data-parallel-size > 1 cannot run under torchrun: each replica starts its own "

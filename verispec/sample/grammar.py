@@ -23,13 +23,15 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from verispec.config import GrammarLimits
 from verispec.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 # Compiled grammars kept for reuse (a JSON schema sent with every request compiles once).
 _MAX_COMPILED = 256
@@ -256,6 +258,8 @@ def bitmask_tensor(masks: list[bytes | None], vocab_size: int, device: torch.dev
     """The rows' allowed tokens (all of them for a row without a grammar); None if no row has a
     grammar. On the CPU a [R, V] bool tensor, unpacked by numpy; elsewhere the [R, ceil(V / 32)]
     int32 words, 32 times less to copy, unpacked on the device."""
+    import torch  # here: the server's frontend checks grammars with this module and never imports torch
+
     if all(m is None for m in masks):
         return None
     words = (vocab_size + 31) // 32
@@ -272,6 +276,8 @@ def bitmask_tensor(masks: list[bytes | None], vocab_size: int, device: torch.dev
 
 def apply_bitmask(logits: torch.Tensor, allowed: torch.Tensor) -> None:
     """Tokens the grammar does not allow become -inf, in place."""
+    import torch
+
     if allowed.dtype == torch.int32:  # packed words: bit j of word w is token 32 w + j
         shifts = torch.arange(32, dtype=torch.int32, device=allowed.device)
         allowed = ((allowed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[1]]
