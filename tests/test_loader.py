@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def test_auto_precision_is_the_fast_tier_on_gguf_and_the_checkpoints_own_dtype_e
 def test_a_damaged_tokenizer_cache_is_rebuilt(smollm2_path, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     first = load_tokenizer(smollm2_path)
-    (cached,) = (tmp_path / "tokenizers").iterdir()
+    (cached,) = [p for p in (tmp_path / "tokenizers").iterdir() if p.is_dir()]
     assert not [p for p in (tmp_path / "tokenizers").iterdir() if ".tmp" in p.name]  # nothing left behind
     (cached / "tokenizer.json").write_text("{ not json")
     with caplog.at_level(logging.WARNING, logger="verispec"):
@@ -39,6 +40,21 @@ def test_a_damaged_tokenizer_cache_is_rebuilt(smollm2_path, tmp_path, monkeypatc
     assert "rebuilding the cached tokenizer" in caplog.text
     assert again.encode("Hello, world") == first.encode("Hello, world")
     assert load_tokenizer(smollm2_path).encode("Hello") == first.encode("Hello")  # the rebuilt entry loads
+
+
+def test_another_file_with_the_same_vocabulary_reuses_its_tokenizer(smollm2_path, tmp_path, monkeypatch, caplog):
+    """A copy (a new path: another quantization of the same model reads the same) finds the
+    tokenizer converted for the first file, and converts nothing."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    first = load_tokenizer(smollm2_path)
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(smollm2_path, copy)
+    with caplog.at_level(logging.INFO, logger="verispec"):
+        again = load_tokenizer(str(copy))
+    assert "reading the tokenizer" not in caplog.text
+    assert again.encode("Hello, world") == first.encode("Hello, world")
+    assert again.chat_template == first.chat_template
+    assert len([p for p in (tmp_path / "cache" / "tokenizers").iterdir() if p.is_dir()]) == 1
 
 
 def test_weight_kinds_names_the_kept_types_and_those_re_quantized():

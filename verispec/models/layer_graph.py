@@ -206,12 +206,21 @@ def check_piece(graph: LayerGraph, layers: tuple, model, block_size: int) -> Non
 def plan_pieces(layers, cuts: set[int], per_graph: int = LAYERS_PER_GRAPH) -> list[tuple[int, int, tuple]]:
     """(start, end, key) for runs of consecutive layers of one signature, cut after every layer in
     `cuts` (a drafter reads their outputs) and into pieces of at most `per_graph` layers. Pieces
-    with the same key share a graph."""
+    with the same key share a graph, so a run is cut into equal pieces where a length from
+    per_graph down to half of it divides it (16 layers: 4 x 4, one graph, not 6 + 6 + 4, two)."""
     pieces, start = [], 0
     signatures = [layer_signature(layer) for layer in layers]
     for i in range(len(layers)):
-        last = i + 1 == len(layers)
-        if last or i in cuts or i + 1 - start == per_graph or signatures[i + 1] != signatures[i]:
-            pieces.append((start, i + 1, (signatures[i], i + 1 - start)))
+        if i + 1 == len(layers) or i in cuts or signatures[i + 1] != signatures[i]:
+            size = _piece_size(i + 1 - start, per_graph)
+            for lo in range(start, i + 1, size):
+                hi = min(lo + size, i + 1)
+                pieces.append((lo, hi, (signatures[i], hi - lo)))
             start = i + 1
     return pieces
+
+
+def _piece_size(run: int, per_graph: int) -> int:
+    if run <= per_graph:
+        return run
+    return next((p for p in range(per_graph, (per_graph + 1) // 2 - 1, -1) if run % p == 0), per_graph)

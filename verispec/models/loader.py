@@ -10,6 +10,7 @@ or 8-bit codes of a GGUF type verispec does not keep, which `weight_kinds` names
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from verispec import envs
 from verispec.models.architectures import Family, family, gguf_parts, hf_parts, is_norm, of_gguf_arch
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks, widened
-from verispec.models.gguf_index import file_key, read_index
+from verispec.models.gguf_index import GGUFHeader, file_key, read_index
 from verispec.models.quant import GROUP_SIZE, QuantizedWeight, quantize_rtn
 
 logger = logging.getLogger("verispec")
@@ -302,22 +303,27 @@ def load_tokenizer(model: str):
     """The checkpoint's tokenizer and chat template, through transformers; None if it has none.
 
     Converting a GGUF vocabulary takes several seconds, so the converted tokenizer is saved once
-    under ~/.cache/verispec (keyed by the file's path, size and mtime) and reloaded from there.
-    """
+    under verispec's cache, keyed by the file's tokenizer fields (every quantization and copy of a
+    model shares it), and found again through the file's path, size and mtime."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(model)
     if path.is_dir():
         has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
         return AutoTokenizer.from_pretrained(str(path)) if has_tok else None
-    cached = cache_dir() / "tokenizers" / file_key(path)
+    root = cache_dir() / "tokenizers"
+    pointer = root / f"{file_key(path)}.key"
+    key = pointer.read_text().strip() if pointer.exists() else _tokenizer_key(path)
+    cached = root / key
     if (cached / "tokenizer_config.json").exists():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            tok = AutoTokenizer.from_pretrained(str(cached))
+            _write_quietly(pointer, key)
+            return tok
         except Exception as exc:  # noqa: BLE001 - damage of any kind (transformers raises many types): rebuilt below
             logger.warning("rebuilding the cached tokenizer %s (%s)", cached, exc)
             shutil.rmtree(cached, ignore_errors=True)
-    logger.info("reading the tokenizer from %s (once per file, a few seconds; a large vocabulary longer)", path.name)
+    logger.info("reading the tokenizer from %s (once per vocabulary, a few seconds; a large one longer)", path.name)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
@@ -325,4 +331,20 @@ def load_tokenizer(model: str):
         os.replace(tmp, cached)  # fails where another process cached it first: theirs stays
     except OSError:  # that, or a read-only home: not an error, only slower next time
         shutil.rmtree(tmp, ignore_errors=True)
+    _write_quietly(pointer, key)
     return tok
+
+
+def _tokenizer_key(path: Path) -> str:
+    """What a GGUF file's tokenizer is made of: its architecture and every tokenizer field."""
+    fields = GGUFHeader.read(path).fields
+    mine = {k: v for k, v in fields.items() if k.startswith("tokenizer.") or k == "general.architecture"}
+    return "gguf-" + hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_quietly(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:  # a read-only home
+        pass
