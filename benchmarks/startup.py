@@ -5,13 +5,14 @@ compiled, on the bundled model. Rows:
 - cold: an empty cache (GGUF index and tokenizer read; the kernels build in the background, and
   the row waits for them);
 - cold, second start: the same cache, the kernels built (the graphs compile in the background);
-- new file: the same model copied to a path never loaded, with the kernels built (index,
-  tokenizer and graphs from nothing; the graphs' key is the layer shapes, so an identical file's
-  saved graphs would serve it: the Inductor cache is emptied too);
+- new file: the same model copied to a path never loaded, with the kernels built (the index and
+  graphs from nothing, the tokenizer found by its vocabulary; the graphs' key is the layer
+  shapes, so an identical file's saved graphs would serve it: the Inductor cache is emptied too);
 - warm: the same file again;
 - threads: warm, at another `num_threads` (the graphs do not depend on it);
 - `verispec generate --max-tokens 32`, end to end, warm (the README's first command);
-- `verispec serve`, process start to `/health` 200, warm.
+- `verispec serve`, process start to `/health` 200, warm;
+- the 1B Q4_K_M benchmark file, new (kernels built, an empty Inductor cache), then warm.
 
 Each in-process row runs `_PROBE` in a child: import, engine, the first token, 32 tokens, the
 compiled step ready (its worker's compile included, in the background).
@@ -146,8 +147,26 @@ def run_startup(quick: bool, threads: int, log: Callable[[str], None]) -> list[S
         rows.append(StartupRow("verispec generate, 32 tokens, warm", threads, wall_s=_wall(cli, warm_env)))
         rows.append(StartupRow("verispec serve to /health 200, warm", threads,
                                wall_s=_serve_to_health(warm_env)))
+        if not quick:
+            rows += _one_b_rows(model, root, threads, log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def _one_b_rows(model: str, root: Path, threads: int, log: Callable[[str], None]) -> list[StartupRow]:
+    """The 1B Q4_K_M benchmark file (benchmarks/model_1b.py) at a path never loaded, with an empty
+    Inductor cache: its vocabulary is SmolLM2's, so its tokenizer is found converted; its
+    Q4_K / Q6_K layer pattern makes several graphs. Then warm."""
+    from benchmarks.model_1b import model_1b
+    from verispec import envs
+
+    fresh = root / "new-1b.gguf"
+    shutil.copyfile(model_1b("Q4_K_M", model, log=log), fresh)
+    env = _env(Path(envs.cache_root()), root / "inductor-1b")
+    log("startup: the 1B Q4_K_M file, new")
+    rows = [_probe("1B Q4_K_M, new file (kernels built)", str(fresh), threads, env)]
+    rows.append(_probe("1B Q4_K_M, warm", str(fresh), threads, env))
     return rows
 
 

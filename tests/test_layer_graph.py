@@ -21,16 +21,21 @@ def test_pieces_share_a_graph_by_signature_and_end_at_the_layers_a_drafter_reads
         layer.index = i  # the index is no part of a signature
     assert layer_signature(layers[0]) == layer_signature(layers[1]) != layer_signature(layers[3])
     plan = plan_pieces(layers, cuts={5}, per_graph=4)
-    assert [(a, b) for a, b, _ in plan] == [(0, 3), (3, 4), (4, 6), (6, 10), (10, 11)]
-    assert len({key for _, _, key in plan}) == 5  # lengths 3, 1 (other format), 2, 4, 1
+    assert [(a, b) for a, b, _ in plan] == [(0, 3), (3, 6), (6, 9), (9, 11)]  # a cut after layer 5
+    assert len({key for _, _, key in plan}) == 3  # (0, 0, 0) twice, (1, 0, 0), (0, 0)
     assert plan_pieces(layers[4:], cuts=set(), per_graph=3)[0][2] == plan_pieces(layers[:3], cuts=set(), per_graph=3)[0][2]
 
 
-def test_a_long_run_is_cut_into_equal_pieces_where_it_can_be():
-    """16 identical layers: four pieces of 4 (one graph to compile), not 6 + 6 + 4 (two); 22 has no
-    length from 6 down to 3 that divides it: 6 + 6 + 6 + 4."""
-    sixteen = plan_pieces([_Layer(0) for _ in range(16)], cuts=set(), per_graph=6)
-    assert [(a, b) for a, b, _ in sixteen] == [(0, 4), (4, 8), (8, 12), (12, 16)]
-    assert len({key for _, _, key in sixteen}) == 1
-    twenty_two = plan_pieces([_Layer(0) for _ in range(22)], cuts=set(), per_graph=6)
-    assert [b - a for a, b, _ in twenty_two] == [6, 6, 6, 4]
+def test_a_long_run_is_cut_for_the_fewest_graphs_then_the_fewest_pieces():
+    """16 identical layers: four pieces of 4 (one graph to compile), not 6 + 6 + 4 (two); 22: no
+    period from 6 down to 3 divides it, 6 + 6 + 6 + 4; a Q4_K_M file's pattern (Q6_K every third
+    layer, two at each end): 2 + 6 + 6 + 2, two graphs where runs of one format would make four."""
+    def spans(formats):
+        plan = plan_pieces([_Layer(f) for f in formats], cuts=set(), per_graph=6)
+        return [(a, b) for a, b, _ in plan], len({key for _, _, key in plan})
+
+    assert spans([0] * 16) == ([(0, 4), (4, 8), (8, 12), (12, 16)], 1)
+    assert spans([0] * 30) == ([(i, i + 6) for i in range(0, 30, 6)], 1)
+    assert spans([0] * 22) == ([(0, 6), (6, 12), (12, 18), (18, 22)], 2)
+    q4_k_m = [1 if i < 2 or i >= 14 or (i - 2) % 3 == 2 else 0 for i in range(16)]
+    assert spans(q4_k_m) == ([(0, 2), (2, 8), (8, 14), (14, 16)], 2)
