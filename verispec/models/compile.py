@@ -2,9 +2,9 @@
 
 Eager PyTorch pays a few microseconds of dispatch per op, and a decode step of a 30-layer model
 runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls themselves. Compiled:
-- Regional: the layers run as pieces of up to LAYERS_PER_GRAPH identical layers
-  (models/layer_graph.py), one graph per distinct piece: SmolLM2's 30 layers are one graph called
-  five times, a Q4_K_M file's mixed down projections a few more. A graph call costs tens of microseconds;
+- Regional: the layers run as pieces of up to LAYERS_PER_GRAPH layers (models/layer_graph.py),
+  one graph per distinct piece: SmolLM2's 30 layers are one graph called five times, a 1B
+  Q4_K_M file's mixed down projections two. A graph call costs tens of microseconds;
   compiling costs seconds per layer in it, the first time. The layer a piece starts at comes from
   the attention context (`enter_layer`), never from the graph.
 - Called directly: each graph is Inductor's library with the sources of its inputs; a step calls

@@ -1,7 +1,7 @@
 """One compiled graph of consecutive decoder layers (models/compile.py says how they are used).
 
 - `layer_signature`: what a layer's graph depends on; `plan_pieces`: the model's layers as pieces
-  of identical layers, each piece's graph shared by the pieces with its key.
+  that repeat a period, each piece's graph shared by the pieces with its key.
 - `compile_piece`: Dynamo traces the piece once and Inductor compiles it (cpp_wrapper); a
   capturing backend keeps Inductor's library and the sources of its inputs.
 - `LayerGraph`: that library called directly with a piece's tensors, gathered by those sources at
