@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import fields
 
 import pytest
@@ -49,3 +51,17 @@ def test_user_values_resolve_and_bad_ones_are_named():
 def test_a_bad_speculative_config_names_its_field(spec, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.parse(spec)
+
+
+def test_a_frontend_config_keeps_dtype_and_device_as_names_until_the_engine_resolves_them():
+    """`verispec serve`'s frontend: the names are checked in form, torch is not imported, and the
+    engine's `validate` turns them into torch's."""
+    code = ("import sys\nfrom verispec.config import EngineConfig\n"
+            "c = EngineConfig.create(dtype='bf16', device='auto', resolve=False)\nc.validate(resolve=False)\n"
+            "assert (c.dtype, c.device) == ('bfloat16', 'auto') and 'torch' not in sys.modules\n"
+            "c.validate()\nimport torch\nassert c.dtype == torch.bfloat16 and c.device.type in ('cpu', 'cuda')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for bad in ({"device": "tpu"}, {"dtype": "int3"}):
+        with pytest.raises(ValueError, match="device must be|dtype must be"):
+            EngineConfig.create(resolve=False, **bad)

@@ -7,6 +7,7 @@ never look at keyword arguments themselves, so a default lives in exactly one pl
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,26 @@ def parse_device(device: "str | torch.device") -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
     return dev
+
+
+def _dtype_name(dtype: "str | torch.dtype | None") -> str | None:
+    """`parse_dtype`'s checks on a name, without torch: the name, or None for "auto"."""
+    if dtype is None or dtype == "auto":
+        return None
+    if not isinstance(dtype, str):
+        return parse_dtype(dtype)  # a torch.dtype: torch is imported already
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {['auto'] + sorted(set(_DTYPES))}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _device_name(device: "str | torch.device") -> "str | torch.device":
+    """`parse_device`'s checks on the form of a name, without torch (CUDA's presence is the engine's)."""
+    if not isinstance(device, str):
+        return device
+    if device != "auto" and not re.fullmatch(r"(cpu|cuda)(:\d+)?", device):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    return device
 
 
 SPEC_METHODS = ("ngram", "draft_model", "layer_skip", "suffix", "dspark", "dflash")
@@ -289,23 +310,31 @@ class EngineConfig:
         device: "str | torch.device" = "auto",
         logprobs_mode: "LogprobsMode | str" = LogprobsMode.RAW_LOGPROBS,
         speculative_config: "SpeculativeConfig | dict | None" = None,
+        resolve: bool = True,
         **options,
     ) -> "EngineConfig":
         """From user-facing values (strings, dicts), as `LLM(...)` and `verispec serve` take them.
-        An unknown option is a ValueError naming it."""
+        An unknown option is a ValueError naming it. `resolve=False` (a server's frontend): dtype
+        and device stay as written, checked in form only, and the engine resolves them
+        (`validate`): the frontend never imports torch, and starts the core 2 s sooner."""
         known = {o.name for o in user_options()} | {"grammar_limits", "prompt_logprobs_chunk_rows", "compile_missing"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(
-            dtype=parse_dtype(dtype),
-            device=parse_device(device),
+            dtype=parse_dtype(dtype) if resolve else _dtype_name(dtype),
+            device=parse_device(device) if resolve else _device_name(device),
             logprobs_mode=LogprobsMode.parse(logprobs_mode),
             speculative=SpeculativeConfig.parse(speculative_config),
             **options,
         )
 
-    def validate(self) -> None:
+    def validate(self, resolve: bool = True) -> None:
+        """Checks every option; `resolve`: dtype and device written as names become torch's."""
+        if resolve and isinstance(self.dtype, str):
+            self.dtype = parse_dtype(self.dtype)
+        if resolve and isinstance(self.device, str):
+            self.device = parse_device(self.device)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             choices = ", ".join(map(repr, QUANTIZATIONS))
             raise ValueError(f"quantization must be one of {choices} or None; got {self.quantization!r}")

@@ -195,8 +195,9 @@ def _serve(args: argparse.Namespace) -> int:
         **engine_options(args),
         grammar_limits=GrammarLimits(max_bytes=args.max_grammar_bytes, max_choices=args.max_grammar_choices,
                                      timeout_s=args.grammar_timeout),
+        resolve=False,  # the core resolves dtype and device: this process does without torch
     )
-    engine.validate()
+    engine.validate(resolve=False)
     config = ServerConfig(
         engine=engine, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_n=args.max_n,
