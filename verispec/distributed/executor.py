@@ -29,6 +29,7 @@ from verispec.distributed.comm import Rendezvous, TPGroup, WorkerDiedError
 from verispec.distributed.sharding import ShardContext, make_shard, shard_checkpoint
 from verispec.models.config import ModelConfig
 from verispec.models.llama import LlamaModel
+from verispec.models.packed_cache import layouts_for
 from verispec.distributed.weight_group import WeightGroupSpec, join_weight_group, receive_weights
 from verispec.models.weights import build_update, check_update, prepare
 
@@ -168,7 +169,8 @@ def build_model(cfg: ModelConfig, weights: dict, path, dtype, quantization, devi
                 tp: "TensorParallel | None"):
     """The model the engine calls: a `LlamaModel`, or rank 0's `ShardedModel` under tensor parallelism."""
     if tp is None:
-        return LlamaModel(cfg, weights, dtype=dtype, device=device).eval()
+        with layouts_for(path, device):  # a GGUF file's packed matrices, saved at its first load
+            return LlamaModel(cfg, weights, dtype=dtype, device=device).eval()
     return tp.load_model(cfg, weights, path, dtype, quantization)
 
 

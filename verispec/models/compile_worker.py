@@ -20,6 +20,7 @@ import torch
 from verispec.models.compile import CompileSource, LayerGraphs
 from verispec.models.llama import LlamaModel
 from verispec.models.loader import load_checkpoint
+from verispec.models.packed_cache import layouts_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, source.dtype)
     cfg, weights = load_checkpoint(source.model, dtype, source.quantization)
     cfg.rope_context = source.rope_context
-    model = LlamaModel(cfg, weights, dtype=dtype, device="cpu").eval()
+    with layouts_for(source.model, "cpu"):  # the engine's start saved them
+        model = LlamaModel(cfg, weights, dtype=dtype, device="cpu").eval()
     del weights
     model.capture_layers = tuple(source.capture_layers)
     graphs = LayerGraphs(model, source.block_size, source.max_tokens)

@@ -48,6 +48,7 @@ class KernelBuild:
     level: str | None
     reason: str = ""  # why not torch's own level, or why none; empty when all is as wanted
     building: bool = False  # not built yet: a background process builds them for the next start
+    library: str = ""  # the loaded library's file name (its sources' hash in it)
 
     def describe(self) -> str:
         """For the start-up line and the metrics label: the level, and the packed matmul's
@@ -111,7 +112,7 @@ def load_best(cxx: str, levels: list[str], load, wait: bool = True) -> KernelBui
         except Exception as exc:  # noqa: BLE001 - a library that does not load: the next level down
             failures.append(f"the {level} build does not load ({str(exc)[:160]})")
             continue
-        return KernelBuild(level, "; ".join(failures))
+        return KernelBuild(level, "; ".join(failures), library=path.name)
     return KernelBuild(None, "; ".join(failures))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verispec.models.packed_cache import packed_or_made
 from verispec.models.quant import TORCH_QUANTIZER, QuantizedWeight, quantize_gguf
 from verispec.models.quant import concat_rows as quant_concat_rows
 from verispec.models.quant import requantize as quant_requantize
@@ -72,7 +73,9 @@ class GGUFBlocks:
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """(codes, scales, offsets, format) for the packed kernel (models/linear.py: PackedLinear)."""
         fmt = PACKED_KINDS.index(self.kind)
-        return (*torch.ops.verispec_cpu.gguf_pack(self.raw(), fmt, self.shape[1]), fmt)
+        made = packed_or_made(self.kind, self.shape,
+                              lambda: torch.ops.verispec_cpu.gguf_pack(self.raw(), fmt, self.shape[1]))
+        return (*made, fmt)
 
     def decoded(self) -> QuantizedWeight:
         n, k = self.shape

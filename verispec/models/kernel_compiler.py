@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-from verispec.models.loader import cache_dir
+from verispec import envs
 
 logger = logging.getLogger("verispec.kernels")
 
@@ -139,7 +139,7 @@ def _first_error(output: str) -> str:
 
 
 def _paths(stem: str) -> tuple[Path, Path, Path]:
-    cache = cache_dir() / "kernels"
+    cache = Path(envs.cache_root()) / "kernels"
     return cache / f"{stem}.so", cache / f"{stem}.failed", cache / f"{stem}.log"
 
 
@@ -195,7 +195,7 @@ def _build_unlocked(cxx: str, level: str, jobs: int | None = None) -> Path:
 def _build_lock(wait: bool):
     """The machine's one kernel build at a time: yields whether this process holds the lock
     (without `wait`, False when another process builds)."""
-    path = cache_dir() / "kernels" / "build.lock"
+    path = Path(envs.cache_root()) / "kernels" / "build.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         try:
@@ -234,7 +234,7 @@ def building_pid() -> int | None:
         if free:
             return None
     try:
-        return int((cache_dir() / "kernels" / "build.lock").read_text().strip())
+        return int((Path(envs.cache_root()) / "kernels" / "build.lock").read_text().strip())
     except (OSError, ValueError):
         return None
 
