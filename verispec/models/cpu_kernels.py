@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 
 from verispec import envs
-from verispec.models.kernel_compiler import BUILD_TIME, BuildFailed, build, build_in_background, build_levels, built, \
-    cxx_compiler, stem
+from verispec.models.kernel_compiler import (BACKGROUND_BUILD_TIME, BuildFailed, build, build_in_background,
+                                              build_levels, built, cxx_compiler, stem)
 
 logger = logging.getLogger("verispec.kernels")
 
@@ -83,7 +83,8 @@ def _decide(wait: bool) -> KernelBuild:
     chosen = load_best(cxx, build_levels(), torch.ops.load_library, wait)
     if chosen.building:
         logger.info("building verispec's CPU kernels in the background (once per machine, %s, at low priority); "
-                    "until the next start, attention runs on SDPA and the matrices on torch's kernels", BUILD_TIME)
+                    "until the next start, attention runs on SDPA and the matrices on torch's kernels",
+                    BACKGROUND_BUILD_TIME)
     elif chosen.level is None:
         logger.warning("verispec's CPU kernels are unavailable; attention runs on SDPA and 8-bit matrices on "
                        "int4 planes (slower): %s", chosen.reason)
