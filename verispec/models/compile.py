@@ -67,7 +67,7 @@ def compile_wanted(enforce_eager: bool, device: torch.device) -> bool:
         logger.warning("no C++ compiler found: the model runs eager (slower); install g++ to compile it")
         return False
     if kernel_build().building:  # a graph of torch's kernels would be thrown away at the next start
-        logger.info("the model runs eager until verispec's CPU kernels are built; the next start compiles it")
+        logger.info("the model runs eager: its graphs are compiled for verispec's CPU kernels, not built yet")
         return False
     return True
 
