@@ -72,3 +72,22 @@ def test_weight_kinds_names_the_kept_types_and_those_re_quantized():
                "layers.0.k": quantize_rtn(dense, 8, source="IQ4_XS"), "norm": torch.ones(256)}
     assert weight_kinds(weights) == "Q4_K, Q6_K; IQ4_XS re-quantized to 8 bits"
     assert weight_kinds({"embed": dense}) == ""
+
+
+def test_two_processes_starting_together_convert_a_tokenizer_once(smollm2_path, tmp_path):
+    """A server's frontend and its engine core load the tokenizer at the same moment: one converts,
+    the other waits and loads its result."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import logging, sys\nlogging.basicConfig(level=logging.INFO)\n"
+            "from verispec.models.loader import load_tokenizer\n"
+            "print(load_tokenizer(sys.argv[1]).encode('Hello, world'))\n")
+    env = dict(os.environ, VERISPEC_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code, smollm2_path], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-1000:] for _, err in outs]
+    assert sum(err.count("reading the tokenizer") for _, err in outs) == 1
+    assert outs[0][0] == outs[1][0]

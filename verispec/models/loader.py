@@ -10,11 +10,13 @@ or 8-bit codes of a GGUF type verispec does not keep, which `weight_kinds` names
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -315,24 +317,57 @@ def load_tokenizer(model: str):
     pointer = root / f"{file_key(path)}.key"
     key = pointer.read_text().strip() if pointer.exists() else _tokenizer_key(path)
     cached = root / key
-    if (cached / "tokenizer_config.json").exists():
-        try:
-            tok = AutoTokenizer.from_pretrained(str(cached))
-            _write_quietly(pointer, key)
+    if (tok := _cached_tokenizer(cached, pointer, key)) is not None:
+        return tok
+    # The server's frontend and its engine core start together: one converts, the other waits for
+    # it and loads the result (two conversions at once took twice the CPU of a cold start).
+    with _one_at_a_time(root / f"{key}.lock"):
+        if (tok := _cached_tokenizer(cached, pointer, key)) is not None:
             return tok
-        except Exception as exc:  # noqa: BLE001 - damage of any kind (transformers raises many types): rebuilt below
-            logger.warning("rebuilding the cached tokenizer %s (%s)", cached, exc)
-            shutil.rmtree(cached, ignore_errors=True)
-    logger.info("reading the tokenizer from %s (once per vocabulary, a few seconds; a large one longer)", path.name)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    try:
-        tok.save_pretrained(str(tmp))
-        os.replace(tmp, cached)  # fails where another process cached it first: theirs stays
-    except OSError:  # that, or a read-only home: not an error, only slower next time
-        shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("reading the tokenizer from %s (once per vocabulary, a few seconds; a large one longer)",
+                    path.name)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        try:
+            tok.save_pretrained(str(tmp))
+            os.replace(tmp, cached)  # fails where another process cached it first: theirs stays
+        except OSError:  # that, or a read-only home: not an error, only slower next time
+            shutil.rmtree(tmp, ignore_errors=True)
     _write_quietly(pointer, key)
     return tok
+
+
+def _cached_tokenizer(cached: Path, pointer: Path, key: str):
+    """The tokenizer saved at `cached`, or None (none yet, or damaged: removed, to be rebuilt)."""
+    from transformers import AutoTokenizer
+
+    if not (cached / "tokenizer_config.json").exists():
+        return None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(cached))
+    except Exception as exc:  # noqa: BLE001 - damage of any kind (transformers raises many types): rebuilt
+        logger.warning("rebuilding the cached tokenizer %s (%s)", cached, exc)
+        shutil.rmtree(cached, ignore_errors=True)
+        return None
+    _write_quietly(pointer, key)
+    return tok
+
+
+@contextmanager
+def _one_at_a_time(lock: Path):
+    """An exclusive lock on `lock` across processes, where the cache is writable."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(lock, "a")  # noqa: SIM115 - closed below
+    except OSError:  # a read-only home: no cache to share either
+        yield
+        return
+    with fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _tokenizer_key(path: Path) -> str:
