@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -114,6 +116,13 @@ def make_tiny_checkpoint(path, arch: str = "llama", seed: int | None = None, **o
     model = model_cls(cfg_cls(**common)).eval()
     model.save_pretrained(str(path))
     return str(path)
+
+
+def run_fresh(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (what it imports is its own); fails the test with its stderr."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_fresh
 from verispec.entrypoints.cli import main
 
 
@@ -73,6 +72,5 @@ def test_help_answers_without_importing_torch():
             "for argv in (['--help'], ['generate', '--help'], ['serve', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = run_fresh(code)
     assert "--max-num-seqs" in run.stdout and "--max-tokens" in run.stdout

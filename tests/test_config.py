@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import fields
 
 import pytest
 import torch
 
+from conftest import run_fresh
 from verispec.config import EngineConfig, LogprobsMode, SpeculativeConfig, user_options
 
 
@@ -60,8 +59,7 @@ def test_a_frontend_config_keeps_dtype_and_device_as_names_until_the_engine_reso
             "c = EngineConfig.create(dtype='bf16', device='auto', resolve=False)\nc.validate(resolve=False)\n"
             "assert (c.dtype, c.device) == ('bfloat16', 'auto') and 'torch' not in sys.modules\n"
             "c.validate()\nimport torch\nassert c.dtype == torch.bfloat16 and c.device.type in ('cpu', 'cuda')\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_fresh(code)
     for bad in ({"device": "tpu"}, {"dtype": "int3"}):
         with pytest.raises(ValueError, match="device must be|dtype must be"):
             EngineConfig.create(resolve=False, **bad)

@@ -59,15 +59,14 @@ def parse_dtype(dtype: "str | torch.dtype | None") -> torch.dtype | None:
     """None stands for "auto": the engine resolves it from the checkpoint."""
     import torch
 
-    if dtype is None or dtype == "auto":
-        return None
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.float32, torch.bfloat16, torch.float16):
             return dtype
         raise ValueError(f"dtype must be 'auto', float32, bfloat16 or float16; got {dtype}")
-    if dtype in _DTYPES:
-        return getattr(torch, _DTYPES[dtype])
-    raise ValueError(f"dtype must be one of {['auto'] + sorted(set(_DTYPES))}; got {dtype!r}")
+    if dtype is not None and not isinstance(dtype, str):
+        raise ValueError(f"dtype must be one of {['auto'] + sorted(set(_DTYPES))}; got {dtype!r}")
+    name = _dtype_name(dtype)
+    return None if name is None else getattr(torch, name)
 
 
 def parse_device(device: "str | torch.device") -> torch.device:
@@ -83,12 +82,13 @@ def parse_device(device: "str | torch.device") -> torch.device:
     return dev
 
 
-def _dtype_name(dtype: "str | torch.dtype | None") -> str | None:
-    """`parse_dtype`'s checks on a name, without torch: the name, or None for "auto"."""
+def _dtype_name(dtype: "str | torch.dtype | None") -> "str | torch.dtype | None":
+    """A dtype's name, checked without torch; None for "auto". A torch.dtype (torch is imported
+    already) goes through `parse_dtype`."""
     if dtype is None or dtype == "auto":
         return None
     if not isinstance(dtype, str):
-        return parse_dtype(dtype)  # a torch.dtype: torch is imported already
+        return parse_dtype(dtype)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {['auto'] + sorted(set(_DTYPES))}; got {dtype!r}")
     return _DTYPES[dtype]

@@ -98,6 +98,7 @@ def _decide(wait: bool) -> KernelBuild:
 def load_best(cxx: str, levels: list[str], load, wait: bool = True) -> KernelBuild:
     """The first of `levels` that builds and loads (`load(path)`), with the failures above it.
     Without `wait`, the first level not built yet starts a background build and ends the search."""
+    global _share
     failures = []
     for i, level in enumerate(levels):
         try:
@@ -106,7 +107,7 @@ def load_best(cxx: str, levels: list[str], load, wait: bool = True) -> KernelBui
             failures.append(str(exc))
             continue
         if path is None:
-            _share_cores_until(build_in_background(cxx, levels[i:]))
+            _share = _CoreShare(build_in_background(cxx, levels[i:]))
             return KernelBuild(None, "building in the background", building=True)
         try:
             load(str(path))
@@ -128,11 +129,6 @@ class _CoreShare:
 
 
 _share: _CoreShare | None = None
-
-
-def _share_cores_until(wait_for_build: Callable[[], object]) -> None:
-    global _share
-    _share = _CoreShare(wait_for_build)
 
 
 def share_cores() -> None:

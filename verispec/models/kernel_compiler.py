@@ -193,13 +193,18 @@ def _build_unlocked(cxx: str, level: str, jobs: int | None = None) -> Path:
     return build_once(stem(cxx, level), level, cxx, compile_into)
 
 
-@contextmanager
-def _build_lock(wait: bool):
-    """The machine's one kernel build at a time: yields whether this process holds the lock
-    (without `wait`, False when another process builds)."""
+def _lock_path() -> Path:
     path = Path(envs.cache_root()) / "kernels" / "build.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
+    return path
+
+
+@contextmanager
+def _build_lock(wait: bool):
+    """The machine's one kernel build at a time, held by the process that builds (its pid in the
+    file, for whoever waits): yields whether this process holds it (without `wait`, False when
+    another process builds)."""
+    with open(_lock_path(), "a+") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -210,7 +215,7 @@ def _build_lock(wait: bool):
             logger.info("waiting for verispec's CPU kernels, which another process (pid %s) is building",
                         fh.read().strip() or "?")
             fcntl.flock(fh, fcntl.LOCK_EX)
-        fh.truncate(0)  # the builder's pid, for whoever waits (a+ appends: the file holds just it)
+        fh.truncate(0)  # a+ appends: after the truncation the file holds the pid alone
         fh.write(str(os.getpid()))
         fh.flush()
         try:
@@ -219,24 +224,40 @@ def _build_lock(wait: bool):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _building() -> bool:
+    """Whether a process builds now. A shared probe: it writes nothing and waits for nothing."""
+    with open(_lock_path(), "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+
+def _wait_for_build() -> None:
+    with open(_lock_path(), "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH)  # granted once the builder lets go; released as the file closes
+
+
 def build(cxx: str, level: str) -> Path:
     """The library for `level`, compiled here and now on first use, or waited for where a background
     build is making it. Raises `BuildFailed`."""
-    if (path := built(stem(cxx, level), level)) is not None:
+    name = stem(cxx, level)
+    if (path := built(name, level)) is not None:
         return path
     with _build_lock(wait=True):
-        if built(stem(cxx, level), level) is None:
+        if built(name, level) is None:
             logger.info("building verispec's CPU kernels for %s (once per machine, %s)", level, BUILD_TIME)
         return _build_unlocked(cxx, level)
 
 
 def building_pid() -> int | None:
     """The process that builds the kernels now, if one does."""
-    with _build_lock(wait=False) as free:
-        if free:
-            return None
+    if not _building():
+        return None
     try:
-        return int((Path(envs.cache_root()) / "kernels" / "build.lock").read_text().strip())
+        return int(_lock_path().read_text().strip())
     except (OSError, ValueError):
         return None
 
@@ -244,18 +265,12 @@ def building_pid() -> int | None:
 def build_in_background(cxx: str, levels: list[str]) -> Callable[[], object]:
     """Starts a process that builds the first of `levels` that builds, unless one is building;
     returns a function that waits until the build has ended."""
-    with _build_lock(wait=False) as free:
-        if not free:
-            return _wait_for_lock
+    if _building():
+        return _wait_for_build
     proc = subprocess.Popen([sys.executable, "-m", __name__, "--cxx", cxx, *levels], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             close_fds=True)
     return proc.wait
-
-
-def _wait_for_lock() -> None:
-    with _build_lock(wait=True):
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,7 @@ class PackedLayouts:
         if spec is None:
             return None
         offset, dtype, shape = spec
-        size = int(np.prod(shape)) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        size = int(np.prod(shape)) * getattr(torch, dtype).itemsize
         return torch.from_numpy(self.blob[offset:offset + size]).view(getattr(torch, dtype)).view(shape)
 
     def close(self) -> None:
