@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from verispec.models.default import default_model_path
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     args = parse_args(argv)
     model = args.model or default_model_path()

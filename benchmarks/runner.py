@@ -324,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
 
     from verispec.models.cpu_kernels import kernel_build
     from verispec.models.default import default_model_path
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     kernel_build(wait=True)  # an engine would run on torch's kernels while a first build runs: not what is measured
     if cfg.threads:

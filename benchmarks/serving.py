@@ -78,7 +78,7 @@ def _measure(args: list[str], prompts: list[str], log: Path) -> float:
 
 def run_serving(threads_list: tuple[int, ...], out: Path, log: Callable[[str], None]) -> list[ServingRow]:
     from verispec.models.default import default_model_path
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     model = default_model_path()
     tok = load_tokenizer(model)

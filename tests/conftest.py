@@ -288,7 +288,7 @@ def other_draft(tmp_path_factory, small_vocab_model):
 def tiny_tok(tmp_path_factory, smollm2_path) -> str:
     """A tiny random llama over SmolLM2's 49152-token vocabulary, with its tokenizer (a grammar
     needs real tokens)."""
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tok") / "llama", vocab_size=49152)
     load_tokenizer(smollm2_path).save_pretrained(path)

@@ -14,7 +14,7 @@ from test_serving import ScriptedClient, make_ctx
 from verispec.config import EngineConfig
 from verispec.engine.core_protocol import CompletionDelta, RequestDelta
 from verispec.entrypoints.openai.api_server import ServerConfig, build_app
-from verispec.models.loader import load_tokenizer
+from verispec.models.tokenizer_cache import load_tokenizer
 
 KEY = "k"
 AUTH = {"Authorization": f"Bearer {KEY}"}

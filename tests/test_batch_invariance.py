@@ -36,7 +36,7 @@ TIERS = dict(argvalues=[EXACT, FAST, BF16, CUDA], ids=["exact", "fast", "dense_b
 
 @pytest.fixture(scope="module")
 def texts(smollm2_path):
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
     needle = tok.encode("Write a short poem about the sea, the wind and an old lighthouse keeper.")
@@ -48,7 +48,7 @@ def texts(smollm2_path):
 @pytest.fixture(scope="module")
 def long_needle(smollm2_path) -> list[int]:
     """A prompt of about 300 tokens: chunked or whole, its prefill rows cross many kernel calls."""
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     text = " ".join(f"Day {i}: the keeper climbed the stairs, lit the lamp and wrote the weather in his log."
                     for i in range(14))

@@ -13,7 +13,7 @@ from verispec.entrypoints.chat_utils import chat_prompt_ids
 
 @pytest.fixture(scope="module")
 def tok(smollm2_path):
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     return load_tokenizer(smollm2_path)
 

@@ -14,7 +14,7 @@ import torch
 from conftest import make_tiny_checkpoint
 from verispec import LLM
 from verispec.config import SpeculativeConfig
-from verispec.models.loader import load_tokenizer
+from verispec.models.tokenizer_cache import load_tokenizer
 from verispec.spec_decode.draft_model import DraftModelDrafter
 
 ENGINE = SimpleNamespace(quantization=None, dtype=torch.float32, device=torch.device("cpu"), max_model_len=None)

@@ -32,7 +32,7 @@ def test_verispec_rows_time_every_workload_and_count_drafts_only_with_a_drafter(
 def test_hf_rows_time_the_benchmarks_hf_system_with_prompt_lookup_at_batch_one_only(tiny_with_tokenizer, monkeypatch):
     from benchmarks import peers
     from benchmarks.prompts import Prompt
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     monkeypatch.setattr(peers, "load_hf_model", lambda path: hf_model(path))
     tokenizer = load_tokenizer(tiny_with_tokenizer)

@@ -91,7 +91,7 @@ def test_grammars_past_the_limits_are_refused_before_anything_is_queued(llm, so,
 
 def test_a_choice_row_past_llguidances_items_is_found_by_the_probe(tiny_tok):
     from verispec.config import GrammarLimits
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
     from verispec.sample.grammar import GrammarCompiler, GrammarError
 
     compiler = GrammarCompiler(load_tokenizer(tiny_tok), 49152, frozenset({2}), GrammarLimits(max_choices=5000))
@@ -103,7 +103,7 @@ def test_a_choice_row_past_llguidances_items_is_found_by_the_probe(tiny_tok):
 def test_a_grammar_that_fails_is_compiled_once_and_refused_alike_after(tiny_tok, monkeypatch):
     """A client repeating a grammar past the limits costs one compile: the error is kept beside
     the templates and raised afresh (same message) for the repeats; concurrent askers share one."""
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
     from verispec.sample.grammar import GrammarCompiler, GrammarError
 
     compiler = GrammarCompiler(load_tokenizer(tiny_tok), 49152, frozenset({2}))

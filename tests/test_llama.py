@@ -12,7 +12,8 @@ from verispec.models.kv_cache_tensors import new_layer_cache
 from verispec.models.compile import LayerGraphs
 from verispec.models.linear import KERNEL_MAX_ROWS
 from verispec.models.llama import LlamaModel
-from verispec.models.loader import load_checkpoint, load_tokenizer
+from verispec.models.loader import load_checkpoint
+from verispec.models.tokenizer_cache import load_tokenizer
 
 BLOCK = 4
 

@@ -19,7 +19,7 @@ PROMPT = [1, 17, 42]
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     return load_tokenizer(smollm2_path)
 

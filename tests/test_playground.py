@@ -37,7 +37,7 @@ def tiny_chat_model(tmp_path_factory, smollm2_path) -> str:
     """A tiny random llama with SmolLM2's tokenizer (so text, chat template and EOS are real). Tied
     embeddings at this scale make greedy decoding fall into loops of a few tokens, which prompt
     lookup drafts and the target accepts: every token source shows up."""
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("chat") / "llama", "llama", vocab_size=len(tok),

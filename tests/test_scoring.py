@@ -148,7 +148,7 @@ def test_a_completion_reaching_max_model_len_is_refused(exact):
 @pytest.mark.slow
 def test_the_fast_tier_scores_short_sequences_as_its_rollout(smollm2_path):
     """The default tier is batch-invariant on chunks of up to 64 rows (docs/rl.md)."""
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
     prompts = [tok.encode(f"Tell me one fact about the number {i}.") for i in range(6)]

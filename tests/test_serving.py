@@ -20,7 +20,7 @@ from verispec.entrypoints.openai.serving import (
     NEG_INF_JSON, ServingContext, collect, error_json, grammar_field, json_float,
     prompt_logprobs_json, sampling_params, structured_outputs, usage,
 )
-from verispec.models.loader import load_tokenizer
+from verispec.models.tokenizer_cache import load_tokenizer
 from verispec.tokenization import text_encoder
 
 

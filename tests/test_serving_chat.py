@@ -12,7 +12,7 @@ from verispec.engine.core_protocol import LogprobRow
 from verispec.entrypoints.openai.errors import RequestError
 from verispec.entrypoints.openai.protocol import ChatCompletionRequest
 from verispec.entrypoints.openai.serving_chat import _answer, _messages, chat_logprobs, prepare_chat
-from verispec.models.loader import load_tokenizer
+from verispec.models.tokenizer_cache import load_tokenizer
 
 # Each message's content, then "t1" as the assistant's turn: the prompt's ids are easy to predict.
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t1{% endif %}"

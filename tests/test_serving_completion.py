@@ -14,7 +14,7 @@ from verispec.engine.core_protocol import CompletionDelta, LogprobRow, RequestDe
 from verispec.entrypoints.openai.errors import RequestError
 from verispec.entrypoints.openai.protocol import CompletionRequest
 from verispec.entrypoints.openai.serving_completion import create_completion, prepare_completion, prompt_list
-from verispec.models.loader import load_tokenizer
+from verispec.models.tokenizer_cache import load_tokenizer
 
 
 @pytest.fixture(scope="module")

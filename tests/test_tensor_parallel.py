@@ -95,7 +95,7 @@ def smollm2_requests() -> tuple[list[list[int]], list[SamplingParams]]:
     modes in turn."""
     from benchmarks.prompts import extractive_prompt
     from verispec.models.default import default_model_path
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     text = extractive_prompt(load_tokenizer(default_model_path())).ids
     prompts = [text[20 * i : 20 * i + 16] for i in range(28)]

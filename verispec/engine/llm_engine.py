@@ -29,7 +29,8 @@ from verispec.host_memory import keep_freed_memory
 from verispec.models.compile import CompileSource, compile_wanted, compiled_step
 from verispec.models.cpu_kernels import kernel_build, share_cores
 from verispec.models.default import default_model_path
-from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_precision, weight_kinds
+from verispec.models.loader import load_checkpoint, resolve_precision, weight_kinds
+from verispec.models.tokenizer_cache import load_tokenizer
 from verispec.outputs import RequestOutput
 from verispec.core.request import Request, RequestStatus
 from verispec.sample.grammar import GrammarCompiler, StructuredOutputs
@@ -234,10 +235,8 @@ class LLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
-                "the prompt must leave room for at least one generated token"
-            )
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}; "
+                             "the prompt must leave room for at least one generated token")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request; returns its last output (finish_reason "abort"), None for an unknown id."""

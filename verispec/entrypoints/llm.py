@@ -35,7 +35,10 @@ class LLM:
         self.engine.shutdown()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        """transformers' tokenizer of the model (the engine itself encodes without it where it can)."""
+        from verispec.models.tokenizer_cache import hf_tokenizer
+
+        return hf_tokenizer(self.engine.tokenizer)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.utils.cpp_extension as cpp_extension
 
 from verispec import envs
 
@@ -97,10 +96,14 @@ def _compile_command(cxx: str, source: Path, obj: Path, level: str) -> list[str]
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags, *vnni_defines()]
     if macro:
         cmd.append(f"-D{macro}")
+    import torch.utils.cpp_extension as cpp_extension  # 0.2 s (it imports setuptools): only to build
+
     return cmd + [f"-I{p}" for p in cpp_extension.include_paths()]
 
 
 def _link_command(cxx: str, objs: list[Path], target: Path) -> list[str]:
+    import torch.utils.cpp_extension as cpp_extension
+
     cmd = [cxx, *map(str, objs), "-o", str(target), "-shared", "-fopenmp"]
     for lib_dir in cpp_extension.library_paths():
         cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]

@@ -10,13 +10,9 @@ or 8-bit codes of a GGUF type verispec does not keep, which `weight_kinds` names
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import logging
 import os
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +22,8 @@ from verispec import envs
 from verispec.models.architectures import Family, family, gguf_parts, hf_parts, is_norm, of_gguf_arch
 from verispec.models.config import ModelConfig
 from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks, widened
-from verispec.models.gguf_index import GGUFHeader, file_key, read_index
+from verispec.models.gguf_index import read_index
+from verispec.models.model_path import ModelNotFoundError, resolve_model_path  # noqa: F401 - loader's names too
 from verispec.models.quant import GROUP_SIZE, QuantizedWeight, quantize_rtn
 
 logger = logging.getLogger("verispec")
@@ -34,27 +31,6 @@ logger = logging.getLogger("verispec")
 _DENSE_GGUF = ("F32", "F16", "BF16")
 # The matrices of a decoder layer; embeddings and the lm_head are quantized separately.
 _LAYER_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
-
-class ModelNotFoundError(ValueError):
-    pass
-
-
-def resolve_model_path(model: str) -> Path:
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ModelNotFoundError(
-            f"model {model!r} not found: pass an HF checkpoint directory (config.json + "
-            "*.safetensors) or a .gguf file; verispec never downloads weights"
-        )
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-        raise ModelNotFoundError(f"model directory {str(path)!r} has no config.json")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ModelNotFoundError(f"model file {str(path)!r} is not a .gguf file")
-    return path
-
 
 def load_checkpoint(
     model: str, dtype: torch.dtype, quantization: str | None = None
@@ -236,9 +212,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
     file when their layer is built); IQ4_NL and IQ4_XS become their exact values in 8-bit codes;
     other quantized types (Q2_K, Q3_K, the other IQ types) are re-quantized to 8 bits, which loses
     next to nothing; `weight_kinds` says which."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     cfg, tensors = read_index(path, _gguf_config, cache_dir())
     data = np.memmap(path, dtype=np.uint8, mode="r")
     fam = family(cfg.architecture)
@@ -254,13 +227,27 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
         elif exact is not None:
             w = exact
         else:
-            array = dequantize(raw, GGMLQuantizationType[kind]).reshape(shape)
-            w = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+            w = torch.from_numpy(np.array(_values(raw, kind).reshape(shape), dtype=np.float32, order="C"))
             if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % GROUP_SIZE == 0:
                 w = quantize_rtn(w, 8, source=kind)
         for ours, part in _gguf_split(names, w, cfg, fam):
             weights[ours] = part.to(dtype) if isinstance(part, torch.Tensor) else part
     return cfg, weights
+
+
+def _values(raw: np.ndarray, kind: str) -> np.ndarray:
+    """A tensor's values from its bytes: the dense types as views (gguf's package costs 0.25 s to
+    import, and a file's norms are all a warm start reads this way), the rest through gguf."""
+    if kind == "F32":
+        return raw.view(np.float32)
+    if kind == "F16":
+        return raw.view(np.float16)
+    if kind == "BF16":  # the upper half of an fp32
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(raw, GGMLQuantizationType[kind])
 
 
 def _gguf_split(names: tuple[str, ...], w, cfg: ModelConfig, fam: Family) -> list:
@@ -295,91 +282,6 @@ def weight_kinds(weights: dict) -> str:
     return text
 
 
-# --------------------------------------------------------------------------------- tokenizer
 def cache_dir() -> Path:
     """verispec's on-disk cache (verispec/envs.py: `~/.cache/verispec` unless the environment moves it)."""
     return Path(envs.cache_root())
-
-
-def load_tokenizer(model: str):
-    """The checkpoint's tokenizer and chat template, through transformers; None if it has none.
-
-    Converting a GGUF vocabulary takes several seconds, so the converted tokenizer is saved once
-    under verispec's cache, keyed by the file's tokenizer fields (every quantization and copy of a
-    model shares it), and found again through the file's path, size and mtime."""
-    from transformers import AutoTokenizer
-
-    path = resolve_model_path(model)
-    if path.is_dir():
-        has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-        return AutoTokenizer.from_pretrained(str(path)) if has_tok else None
-    root = cache_dir() / "tokenizers"
-    pointer = root / f"{file_key(path)}.key"
-    key = pointer.read_text().strip() if pointer.exists() else _tokenizer_key(path)
-    cached = root / key
-    if (tok := _cached_tokenizer(cached, pointer, key)) is not None:
-        return tok
-    # The server's frontend and its engine core start together: one converts, the other waits for
-    # it and loads the result (two conversions at once took twice the CPU of a cold start).
-    with _one_at_a_time(root / f"{key}.lock"):
-        if (tok := _cached_tokenizer(cached, pointer, key)) is not None:
-            return tok
-        logger.info("reading the tokenizer from %s (once per vocabulary, a few seconds; a large one longer)",
-                    path.name)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-        try:
-            tok.save_pretrained(str(tmp))
-            os.replace(tmp, cached)  # fails where another process cached it first: theirs stays
-        except OSError:  # that, or a read-only home: not an error, only slower next time
-            shutil.rmtree(tmp, ignore_errors=True)
-    _write_quietly(pointer, key)
-    return tok
-
-
-def _cached_tokenizer(cached: Path, pointer: Path, key: str):
-    """The tokenizer saved at `cached`, or None (none yet, or damaged: removed, to be rebuilt)."""
-    from transformers import AutoTokenizer
-
-    if not (cached / "tokenizer_config.json").exists():
-        return None
-    try:
-        tok = AutoTokenizer.from_pretrained(str(cached))
-    except Exception as exc:  # noqa: BLE001 - damage of any kind (transformers raises many types): rebuilt
-        logger.warning("rebuilding the cached tokenizer %s (%s)", cached, exc)
-        shutil.rmtree(cached, ignore_errors=True)
-        return None
-    _write_quietly(pointer, key)
-    return tok
-
-
-@contextmanager
-def _one_at_a_time(lock: Path):
-    """An exclusive lock on `lock` across processes, where the cache is writable."""
-    try:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(lock, "a")  # noqa: SIM115 - closed below
-    except OSError:  # a read-only home: no cache to share either
-        yield
-        return
-    with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _tokenizer_key(path: Path) -> str:
-    """What a GGUF file's tokenizer is made of: its architecture and every tokenizer field."""
-    fields = GGUFHeader.read(path).fields
-    mine = {k: v for k, v in fields.items() if k.startswith("tokenizer.") or k == "general.architecture"}
-    return "gguf-" + hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _write_quietly(path: Path, text: str) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    except OSError:  # a read-only home
-        pass

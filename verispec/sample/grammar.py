@@ -225,7 +225,9 @@ class GrammarCompiler:
                     raise ValueError("structured_outputs needs a tokenizer; this model has none")
                 from llguidance.hf import from_tokenizer
 
-                self._ll_tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos)
+                from verispec.models.tokenizer_cache import hf_tokenizer
+
+                self._ll_tokenizer = from_tokenizer(hf_tokenizer(self._hf_tokenizer), n_vocab=self.vocab_size, eos_token=self._eos)
             return self._ll_tokenizer
 
 

@@ -13,7 +13,8 @@ import torch
 from verispec.config import SpeculativeConfig
 from verispec.distributed.executor import build_model
 from verispec.models.kv_cache_tensors import KVCacheTensors
-from verispec.models.loader import load_checkpoint, load_tokenizer, resolve_model_path
+from verispec.models.loader import load_checkpoint, resolve_model_path
+from verispec.models.tokenizer_cache import load_tokenizer
 from verispec.spec_decode.drafter import DraftInputs, ModelDrafter
 
 

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.config import EngineConfig
 from verispec.engine.dp_client import DPEngineClient
+from verispec.models.tokenizer_cache import hf_tokenizer
 from verispec.entrypoints.openai.admin import add_control_routes
 from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
 from verispec.entrypoints.openai.preprocess import PendingWork
@@ -94,7 +95,7 @@ def _admit(ctx: ServingContext) -> None:
 
 
 def _load_tokenizer(path: str):
-    from verispec.models.loader import load_tokenizer
+    from verispec.models.tokenizer_cache import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     return tokenizer, text_encoder(tokenizer) if tokenizer is not None else None
@@ -333,9 +334,9 @@ def _add_tokenizer_routes(app: FastAPI, tokenizer_auth: list) -> None:
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses={404: {"model": ErrorResponse}})
     async def tokenizer_info(request: Request):
         ctx = _ctx(request)
-        tok = ctx.tokenizer
-        if tok is None:
+        if ctx.tokenizer is None:
             raise RequestError("this model has no tokenizer", status=404)
+        tok = hf_tokenizer(ctx.tokenizer)
         return TokenizerInfoResponse(
             tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, bos_token=tok.bos_token,
             pad_token=tok.pad_token, chat_template=getattr(tok, "chat_template", None),
