@@ -75,7 +75,11 @@ class AsyncEngineClient:
     def core_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    async def start(self, timeout_s: float = 900.0) -> None:
+    def launch(self) -> None:
+        """Starts the core process (once): `verispec serve` calls it first thing, so the core loads
+        while the frontend imports its web stack; `start` waits for it."""
+        if self._proc is not None:
+            return
         in_addr = f"ipc://{self._tmp}/input.sock"
         out_addr = f"ipc://{self._tmp}/output.sock"
         self._in.bind(in_addr)
@@ -87,6 +91,9 @@ class AsyncEngineClient:
             target=_run_core, args=(self.config, in_addr, out_addr), name="verispec-core", daemon=True
         )
         self._proc.start()
+
+    async def start(self, timeout_s: float = 900.0) -> None:
+        self.launch()
         deadline = time.monotonic() + timeout_s
         while True:
             if await self._out.poll(200):

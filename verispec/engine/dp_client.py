@@ -227,6 +227,11 @@ class DPEngineClient:
             replica.add_stats_listener(self._on_replica_stats)
 
     # ------------------------------------------------------------------ lifecycle
+    def launch(self) -> None:
+        """Starts every core process now; `start` waits for them."""
+        for replica in self.replicas:
+            replica.launch()
+
     async def start(self, timeout_s: float = 900.0) -> None:
         """Starts every core at once; if any fails, the first error is raised after all have
         settled (the caller's shutdown then finds no core still loading)."""

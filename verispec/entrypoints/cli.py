@@ -187,7 +187,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from verispec.config import EngineConfig
     from verispec.engine.dp_client import check_data_parallel_size
-    from verispec.entrypoints.openai.api_server import ServerConfig, run_server
+    from verispec.entrypoints.openai.early_start import start_early
 
     check_data_parallel_size(args.data_parallel_size)  # before any model is loaded
 
@@ -198,6 +198,10 @@ def _serve(args: argparse.Namespace) -> int:
         resolve=False,  # the core resolves dtype and device: this process does without torch
     )
     engine.validate(resolve=False)
+    # The cores load while this process imports its web stack (0.6 s) instead of after it.
+    early = start_early(engine, args.data_parallel_size)
+    from verispec.entrypoints.openai.api_server import ServerConfig, run_server
+
     config = ServerConfig(
         engine=engine, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, max_n=args.max_n,
@@ -206,7 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_pending_sequences=args.max_pending_sequences, max_request_sequences=args.max_request_sequences,
         open_tokenizer_routes=args.open_tokenizer_routes,
     )
-    run_server(config, log_level=args.log_level)
+    run_server(config, log_level=args.log_level, early=early)
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -223,12 +224,27 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 if self._hf_tokenizer is None:
                     raise ValueError("structured_outputs needs a tokenizer; this model has none")
-                from llguidance.hf import from_tokenizer
-
-                from verispec.models.tokenizer_cache import hf_tokenizer
-
-                self._ll_tokenizer = from_tokenizer(hf_tokenizer(self._hf_tokenizer), n_vocab=self.vocab_size, eos_token=self._eos)
+                self._ll_tokenizer = llguidance_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
             return self._ll_tokenizer
+
+
+_LL_TOKENIZERS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+_LL_LOCK = threading.Lock()
+
+
+def llguidance_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int]) -> Any:
+    """llguidance's view of `tokenizer` for a vocabulary size and EOS ids, built once (about 0.4 s):
+    a server builds it while its core loads, and its compiler finds it here."""
+    key = (n_vocab, tuple(sorted(eos)))
+    with _LL_LOCK:
+        built = _LL_TOKENIZERS.setdefault(tokenizer, {})
+        if key not in built:
+            from llguidance.hf import from_tokenizer
+
+            from verispec.models.tokenizer_cache import hf_tokenizer
+
+            built[key] = from_tokenizer(hf_tokenizer(tokenizer), n_vocab=n_vocab, eos_token=list(key[1]))
+        return built[key]
 
 
 def _parser_limits(limits: GrammarLimits) -> Any:

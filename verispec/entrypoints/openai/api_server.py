@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.config import EngineConfig
-from verispec.engine.dp_client import DPEngineClient
+from verispec.entrypoints.openai.early_start import EarlyStart, start_early
 from verispec.models.tokenizer_cache import hf_tokenizer
 from verispec.entrypoints.openai.admin import add_control_routes
 from verispec.entrypoints.openai.limits import BodySizeLimit, ConcurrencyLimit
@@ -38,7 +38,6 @@ from verispec.entrypoints.openai.serving_chat import create_chat, prepare_chat, 
 from verispec.entrypoints.openai.serving_completion import (
     create_completion, prepare_completion, prompt_list, stream_completion,
 )
-from verispec.tokenization import text_encoder
 from verispec.models.default import DEFAULT_MODEL_FILE
 
 logger = logging.getLogger("verispec.server")
@@ -94,21 +93,14 @@ def _admit(ctx: ServingContext) -> None:
                            headers={"Retry-After": "30"})
 
 
-def _load_tokenizer(path: str):
-    from verispec.models.tokenizer_cache import load_tokenizer
-
-    tokenizer = load_tokenizer(path)
-    return tokenizer, text_encoder(tokenizer) if tokenizer is not None else None
-
-
-def build_app(config: ServerConfig) -> FastAPI:
+def build_app(config: ServerConfig, early: EarlyStart | None = None) -> FastAPI:
     """The server's app: its lifespan starts the engine core and the tokenizer; routes added by
     kind (errors, /v1, operations, control, playground, tokenizer)."""
     metrics = ServerMetrics(config.model_name())
     pending = PendingWork(config.max_pending_requests, config.max_pending_sequences,
                           min(config.max_request_sequences, config.max_pending_sequences))
     # No trailing-slash redirects: Starlette builds their Location from the client's Host header.
-    app = FastAPI(title="verispec", version="0.1.0", lifespan=_lifespan(config, metrics, pending),
+    app = FastAPI(title="verispec", version="0.1.0", lifespan=_lifespan(config, metrics, pending, early),
                   redirect_slashes=False)
     # Outermost first: a request over the pending limit is refused before its body is read.
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
@@ -123,18 +115,20 @@ def build_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-def _lifespan(config: ServerConfig, metrics: ServerMetrics, pending: PendingWork):
-    """Starts the engine core replicas and loads the tokenizer beside them; stops both at the end."""
+def _lifespan(config: ServerConfig, metrics: ServerMetrics, pending: PendingWork, early: EarlyStart | None):
+    """Starts the engine core replicas and loads the tokenizer beside them (or takes those `verispec
+    serve` started first); stops both at the end."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         from verispec.models.default import default_model_path
 
-        client = DPEngineClient(config.engine, config.data_parallel_size)
+        started = early if early is not None else start_early(config.engine, config.data_parallel_size)
+        client = started.client
         client.add_stats_listener(metrics.update_engine)
         if client.data_parallel_size > 1:
             metrics.replicas = client.replica_info
         model_path = config.engine.model or default_model_path()
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, model_path))
+        tokenizer_task = asyncio.wrap_future(started.tokenizer)
         try:
             await client.start()
             tokenizer, encoder = await tokenizer_task
@@ -344,12 +338,12 @@ def _add_tokenizer_routes(app: FastAPI, tokenizer_auth: list) -> None:
         )
 
 
-def run_server(config: ServerConfig, log_level: str = "info") -> None:
+def run_server(config: ServerConfig, log_level: str = "info", early: EarlyStart | None = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if config.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         logger.warning("binding %s without --api-key: anyone who can reach this address can use the model",
                        config.host)
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=log_level,
+    uvicorn.run(build_app(config, early), host=config.host, port=config.port, log_level=log_level,
                 timeout_graceful_shutdown=5)
