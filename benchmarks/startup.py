@@ -12,7 +12,9 @@ compiled, on the bundled model. Rows:
 - threads: warm, at another `num_threads` (the graphs do not depend on it);
 - `verispec generate --max-tokens 32`, end to end, warm (the README's first command);
 - `verispec serve`, process start to `/health` 200, warm;
-- the 1B Q4_K_M benchmark file, new (kernels built, an empty Inductor cache), then warm;
+- the 1B Q4_K_M benchmark file, new (kernels built, an empty Inductor cache), then warm, then new
+  in the exact tier;
+- a tiny Gemma 3 (benchmarks/model_gemma3.py), new, then warm;
 - where llama.cpp is built, its `llama-server` on the same files (the peer a user would pick):
   process start to `/health` 200 (the command column) and to a one-token completion.
 
@@ -42,7 +44,7 @@ import json, sys, time
 t0 = time.perf_counter()
 from verispec import LLM, SamplingParams
 t1 = time.perf_counter()
-llm = LLM(sys.argv[1], num_threads=int(sys.argv[2]))
+llm = LLM(sys.argv[1], num_threads=int(sys.argv[2]), **({"dtype": sys.argv[3]} if len(sys.argv) > 3 else {}))
 t2 = time.perf_counter()
 llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 t3 = time.perf_counter()
@@ -86,9 +88,10 @@ def _env(cache: Path, inductor: Path | None = None) -> dict[str, str]:
     return env
 
 
-def _probe(scenario: str, model: str, threads: int, env: dict[str, str]) -> StartupRow:
-    run = subprocess.run([sys.executable, "-c", _PROBE, model, str(threads)], env=env, capture_output=True,
-                         text=True, timeout=1800)
+def _probe(scenario: str, model: str, threads: int, env: dict[str, str], dtype: str | None = None) -> StartupRow:
+    """dtype: "float32" runs the exact tier (on the file's codes); the default, the fast tier."""
+    run = subprocess.run([sys.executable, "-c", _PROBE, model, str(threads), *([dtype] if dtype else [])], env=env,
+                         capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"startup probe {scenario} failed: {run.stderr[-1000:]}")
     got = json.loads(run.stdout.strip().splitlines()[-1])
@@ -186,6 +189,7 @@ def run_startup(quick: bool, threads: int, log: Callable[[str], None]) -> list[S
             rows.append(peer)
         if not quick:
             rows += _one_b_rows(model, root, threads, log)
+            rows += _gemma3_rows(model, root, threads, log)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -204,6 +208,28 @@ def _one_b_rows(model: str, root: Path, threads: int, log: Callable[[str], None]
     log("startup: the 1B Q4_K_M file, new")
     rows = [_probe("1B Q4_K_M, new file (kernels built)", str(fresh), threads, env)]
     rows.append(_probe("1B Q4_K_M, warm", str(fresh), threads, env))
+    exact = root / "new-1b-exact.gguf"  # another new path: the exact tier's graphs and index from nothing
+    shutil.copyfile(fresh, exact)
+    log("startup: the 1B Q4_K_M file, new, exact tier")
+    rows.append(_probe("1B Q4_K_M, new file, exact tier (fp32)", str(exact), threads,
+                       _env(Path(envs.cache_root()), root / "inductor-1b-exact"), dtype="float32"))
+    if (peer := _llama_server(str(fresh), threads)) is not None:
+        rows.append(peer)
+    return rows
+
+
+def _gemma3_rows(model: str, root: Path, threads: int, log: Callable[[str], None]) -> list[StartupRow]:
+    """A tiny Gemma 3 (benchmarks/model_gemma3.py: sliding and global layers, query/key norms, Q5_0
+    and Q6_K matrices) new, then warm."""
+    from benchmarks.model_gemma3 import tiny_gemma3
+    from verispec import envs
+
+    fresh = root / "new-gemma3.gguf"
+    shutil.copyfile(tiny_gemma3(model, log=log), fresh)
+    env = _env(Path(envs.cache_root()), root / "inductor-gemma3")
+    log("startup: a tiny Gemma 3, new")
+    rows = [_probe("tiny Gemma 3 Q4_K_M, new file (kernels built)", str(fresh), threads, env)]
+    rows.append(_probe("tiny Gemma 3 Q4_K_M, warm", str(fresh), threads, env))
     if (peer := _llama_server(str(fresh), threads)) is not None:
         rows.append(peer)
     return rows
