@@ -147,3 +147,40 @@ def test_two_processes_starting_together_convert_a_tokenizer_once(smollm2_path, 
     assert all(p.returncode == 0 for p in procs), [err[-1000:] for _, err in outs]
     assert sum(err.count("reading the tokenizer") for _, err in outs) == 1
     assert outs[0][0] == outs[1][0]
+
+
+def _vocab_only(src: str, arch: str, target) -> str:
+    """A GGUF file of `src`'s tokenizer under another architecture (which picks transformers' class)."""
+    import gguf
+
+    from benchmarks.ggufs import field_value
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(target), arch)
+    for key, value in (("context_length", 2048), ("embedding_length", 64), ("block_count", 1),
+                       ("feed_forward_length", 128), ("attention.head_count", 4), ("attention.head_count_kv", 4)):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_eps", 1e-6)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            value, sub_type = field_value(field)
+            writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(target)
+
+
+def test_the_first_start_tokenizes_as_every_later_one(smollm2_path, tmp_path, monkeypatch):
+    """transformers' tokenizer converted from a file can differ from the same tokenizer saved and
+    loaded again (Qwen2's class adds NFC normalization when it loads): the first start answers
+    with the loaded one, as every later start does, and its fast half agrees with both."""
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    qwen = _vocab_only(smollm2_path, "qwen2", tmp_path / "qwen2-vocab.gguf")
+    text = "re\u0301sume\u0301 and the NFC form r\u00e9sum\u00e9"
+    first = load_tokenizer(qwen)
+    later = load_tokenizer(qwen)
+    assert isinstance(later, FastTokenizer)
+    assert first.encode(text) == later.encode(text) == later.hf.encode(text)
+    assert later.encode(text) == later.encode("r\u00e9sum\u00e9 and the NFC form r\u00e9sum\u00e9")  # normalized

@@ -41,7 +41,8 @@ FAST_FILE = "verispec-fast.json"
 # one is what a clean-up of tokenization spaces would change).
 _PROBES = ("Hello, world!", " The capital of France is", "  two  spaces\tand a tab\n\nlines ",
            "café, naïve, 日本語, 🙂 and \u200b", "<|im_start|>user\nhi<|im_end|>\n", "<s></s><unk>",
-           "def f(x):\n    return x ** 2  # ok", "Yes , it is . Is it ? I 'm sure ! do n't", "")
+           "def f(x):\n    return x ** 2  # ok", "re\u0301sume\u0301 a\u0300 la carte",
+           "Yes , it is . Is it ? I 'm sure ! do n't", "")
 
 
 class FastTokenizer:
@@ -181,10 +182,13 @@ class _Entry:
 
         logger.info("reading the tokenizer from %s (once per vocabulary, a few seconds; a large one longer)",
                     self.gguf.name)
-        tok = AutoTokenizer.from_pretrained(str(self.gguf.parent), gguf_file=self.gguf.name)
+        tok = converted = AutoTokenizer.from_pretrained(str(self.gguf.parent), gguf_file=self.gguf.name)
         tmp = self.cached.with_name(self.cached.name + f".tmp{os.getpid()}")
         try:
-            tok.save_pretrained(str(tmp))
+            converted.save_pretrained(str(tmp))
+            # What every later start loads, so the first one tokenizes as they do: a converted
+            # tokenizer can differ from its saved self (Qwen2's class adds NFC normalization at load).
+            tok = AutoTokenizer.from_pretrained(str(tmp))
             _save_fast(tok, tmp)
             os.replace(tmp, self.cached)  # fails where another process cached it first: theirs stays
         except OSError:  # that, or a read-only home: not an error, only slower next time
