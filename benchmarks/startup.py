@@ -13,7 +13,7 @@ compiled, on the bundled model. Rows:
 - `verispec generate --max-tokens 32`, end to end, warm (the README's first command);
 - `verispec serve`, process start to `/health` 200, warm;
 - the 1B Q4_K_M benchmark file, new (kernels built, an empty Inductor cache), then warm, then new
-  in the exact tier;
+  in each exact tier (the decoded values; on the codes);
 - a tiny Gemma 3 (benchmarks/model_gemma3.py), new, then warm;
 - where llama.cpp is built, its `llama-server` on the same files (the peer a user would pick):
   process start to `/health` 200 (the command column) and to a one-token completion.
@@ -44,7 +44,8 @@ import json, sys, time
 t0 = time.perf_counter()
 from verispec import LLM, SamplingParams
 t1 = time.perf_counter()
-llm = LLM(sys.argv[1], num_threads=int(sys.argv[2]), **({"dtype": sys.argv[3]} if len(sys.argv) > 3 else {}))
+tier = dict(zip(("dtype", "quantization"), sys.argv[3:]))  # none: the fast tier
+llm = LLM(sys.argv[1], num_threads=int(sys.argv[2]), **tier)
 t2 = time.perf_counter()
 llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 t3 = time.perf_counter()
@@ -88,9 +89,10 @@ def _env(cache: Path, inductor: Path | None = None) -> dict[str, str]:
     return env
 
 
-def _probe(scenario: str, model: str, threads: int, env: dict[str, str], dtype: str | None = None) -> StartupRow:
-    """dtype: "float32" runs the exact tier (on the file's codes); the default, the fast tier."""
-    run = subprocess.run([sys.executable, "-c", _PROBE, model, str(threads), *([dtype] if dtype else [])], env=env,
+def _probe(scenario: str, model: str, threads: int, env: dict[str, str], tier: tuple[str, ...] = ()) -> StartupRow:
+    """tier: ("float32",) the exact tier (the decoded values), ("float32", "gguf") the exact tier on
+    the file's codes; () the fast tier."""
+    run = subprocess.run([sys.executable, "-c", _PROBE, model, str(threads), *tier], env=env,
                          capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         raise RuntimeError(f"startup probe {scenario} failed: {run.stderr[-1000:]}")
@@ -208,11 +210,13 @@ def _one_b_rows(model: str, root: Path, threads: int, log: Callable[[str], None]
     log("startup: the 1B Q4_K_M file, new")
     rows = [_probe("1B Q4_K_M, new file (kernels built)", str(fresh), threads, env)]
     rows.append(_probe("1B Q4_K_M, warm", str(fresh), threads, env))
-    exact = root / "new-1b-exact.gguf"  # another new path: the exact tier's graphs and index from nothing
-    shutil.copyfile(fresh, exact)
-    log("startup: the 1B Q4_K_M file, new, exact tier")
-    rows.append(_probe("1B Q4_K_M, new file, exact tier (fp32)", str(exact), threads,
-                       _env(Path(envs.cache_root()), root / "inductor-1b-exact"), dtype="float32"))
+    for name, tier in (("exact tier (fp32)", ("float32",)), ("exact tier on the codes", ("float32", "gguf"))):
+        exact = root / f"new-1b-{len(tier)}.gguf"  # another new path: the tier's graphs and index from nothing
+        shutil.copyfile(fresh, exact)
+        log(f"startup: the 1B Q4_K_M file, new, {name}")
+        rows.append(_probe(f"1B Q4_K_M, new file, {name}", str(exact), threads,
+                           _env(Path(envs.cache_root()), root / f"inductor-1b-{len(tier)}"), tier))
+        exact.unlink()
     if (peer := _llama_server(str(fresh), threads)) is not None:
         rows.append(peer)
     return rows
