@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import TINY_VOCAB, assert_close_to_oracle, random_prompts
+from conftest import TINY_VOCAB, assert_close_to_oracle, make_tiny_checkpoint, random_prompts
 from test_fast_tier import NGRAM, assert_same_output
 from test_llama import hf_logits, run_ours
 from verispec import LLM, SamplingParams
@@ -185,11 +185,40 @@ def test_the_worker_compiles_once_and_an_engine_with_other_limits_loads_its_grap
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold compile (the kernels stay built)
     first = LLM(tiny_llama, quantization="int4").engine
     assert first.wait_for_compiled_step(), first.model.compiled.error
-    assert first.model.compiled._worker is not None and first.model.compiled._worker.returncode == 0
+    assert first.model.compiled._workers and all(w.returncode == 0 for w in first.model.compiled._workers)
     again = LLM(tiny_llama, quantization="int4", max_num_seqs=8, max_num_batched_tokens=256).engine
     assert again.wait_for_compiled_step(), again.model.compiled.error
-    assert again.model.compiled._worker is None  # the saved graphs, loaded without tracing
+    assert again.model.compiled._workers == []  # the saved graphs, loaded without tracing
     assert again.model.compiled.seconds < 10
+
+
+def test_workers_share_the_graphs_and_together_save_the_whole_set(tmp_path, monkeypatch):
+    """Graph i goes to worker i % shares (as `_switch` numbers them): two shares save what one
+    worker would, and the set loads whole and computes eager's bits."""
+    from verispec.models.attention import SeqSpan, build_attention_metadata
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    gemma3 = make_tiny_checkpoint(tmp_path / "gemma3", "gemma3")  # a sliding layer, then a global one
+    model = LLM(gemma3, quantization="int4", enforce_eager=True).engine.model
+    model.capture_layers = (0,)  # a cut after the sliding layer: two pieces, two graphs
+    graphs = compile_mod.LayerGraphs(model, 16)
+    save = tmp_path / "graphs"
+    save.mkdir()
+    graphs.build_share(save, 1, 2)
+    assert sorted(p.name for p in save.iterdir()) == ["1.json"]
+    graphs.build_share(save, 0, 2)
+    assert sorted(p.name for p in save.iterdir()) == ["0.json", "1.json"]
+    graphs.load(save)
+    assert graphs.ready and graphs.num_graphs == 2
+    kv = model.new_kv_cache(4, 16)
+    meta = build_attention_metadata([SeqSpan(0, 8, 8, [0])], 16, torch.device("cpu"), model.dtype)
+    ids, pos = torch.tensor(random_prompts(1, 8, 9, seed=5)[0][:8]), torch.arange(8)
+    with torch.inference_mode():
+        model.compiled = graphs
+        compiled = model(ids, pos, meta, kv.layers)
+        model.compiled = None
+        eager = model(ids, pos, meta, kv.layers)
+    assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
 
 
 def test_an_exit_while_the_worker_compiles_is_clean(tiny_llama, tmp_path):

@@ -15,8 +15,9 @@ runs about 1500 small ops: at batch 1 that costs as much as the int4 matmuls the
   the norms are verispec's op, the rotary tables come in computed eager, and every graph is
   checked against eager before it is used. So the engine switches from eager to compiled between
   any two steps: a request that spans the switch gets the tokens and logprobs of one that does not.
-- In the background (`LayerGraphs.start`): a worker process (models/compile_worker.py) rebuilds
-  the model, compiles its graphs at low priority and saves them, keyed by the pieces' signatures;
+- In the background (`LayerGraphs.start`): worker processes (models/compile_worker.py; one per
+  graph up to the cores, where the weights are mapped and so shared) rebuild the model, compile
+  their share of its graphs at low priority and save them, keyed by the pieces' signatures;
   a thread here loads them (milliseconds) while the engine's eager steps answer, and the next
   step runs compiled. A model with the same layer shapes, another thread count or other batch
   limits loads the saved graphs at once (the C++ is single-threaded: `cpp.threads = 1`).
@@ -121,7 +122,7 @@ class LayerGraphs:
         self.error: str | None = None
         self.seconds: float | None = None
         self._announced = False
-        self._worker: subprocess.Popen | None = None
+        self._workers: list[subprocess.Popen] = []
         self._thread: threading.Thread | None = None
 
     @property
@@ -146,6 +147,17 @@ class LayerGraphs:
         """Compiles every piece's graph in this thread (Dynamo and Inductor), checks each against
         eager, and switches to them; `save`: a directory to write the graphs to. Raises if one fails."""
         self._switch(lambda i, layers: compile_piece(layers, self.model, self.block_size), save)
+
+    def build_share(self, save: Path, share: int, shares: int) -> None:
+        """A compile worker's part: graphs `share`, `share + shares`, ... of the plan (numbered as
+        `_switch` numbers them), compiled, checked against eager and saved; no switch."""
+        layers = list(self.model.layers)
+        numbers: dict[tuple, int] = {}
+        with torch.inference_mode():
+            for first, end, key in plan_pieces(layers, set(self.model.capture_layers)):
+                if key not in numbers and (i := numbers.setdefault(key, len(numbers))) % shares == share:
+                    self._checked(lambda _, piece: compile_piece(piece, self.model, self.block_size), i,
+                                  tuple(layers[first:end]), save)
 
     def load(self, directory: Path) -> None:
         """The graphs a worker saved for this model (no tracing: each is Inductor's module, its C++
@@ -222,35 +234,58 @@ class LayerGraphs:
         return Path(inductor_cache_dir()) / "verispec-graphs" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
     def _compile_in_worker(self) -> bool:
-        """Runs models/compile_worker.py for this model; whether it compiled every graph."""
+        """Runs models/compile_worker.py for this model, its graphs shared among `_num_workers`
+        processes (a graph's Inductor code generation and C++ compile are one core's work each);
+        whether they compiled every graph."""
         logger.info("compiling the decoder layers in the background, once for this model's layer shapes (about "
                     "a minute on 2 cores); eager steps answer meanwhile")
-        log = self._saved().parent / "worker.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
+        save = self._saved()
+        save.mkdir(parents=True, exist_ok=True)
         spec = json.dumps(dataclasses.asdict(dataclasses.replace(
-            self.source, capture_layers=tuple(self.model.capture_layers), save_to=str(self._saved()))))
+            self.source, capture_layers=tuple(self.model.capture_layers), save_to=str(save))))
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir())
-        with open(log, "w") as out:
-            self._worker = subprocess.Popen([sys.executable, "-m", "verispec.models.compile_worker", spec],
-                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        shares = self._num_workers()
+        logs = [save.parent / f"worker-{i}.log" for i in range(shares)]
+        self._workers = []
+        for i, log in enumerate(logs):
+            with open(log, "w") as out:
+                worker = subprocess.Popen([sys.executable, "-m", "verispec.models.compile_worker", spec, str(i),
+                                           str(shares)], stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=env)
+            self._workers.append(worker)
             try:  # at once, so that even its imports yield to the engine (it lowers itself again)
-                os.setpriority(os.PRIO_PROCESS, self._worker.pid, 10)
+                os.setpriority(os.PRIO_PROCESS, worker.pid, 10)
             except OSError:
                 pass
-            code = self._worker.wait()
+        codes = [w.wait() for w in self._workers]
         if self._stop:
             return False
-        if code != 0:
-            tail = " / ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-300:]
-            raise RuntimeError(f"the compile worker exited with {code}: {tail} (log: {log})")
+        for code, log in zip(codes, logs):
+            if code != 0:
+                self.stop_workers()
+                tail = " / ".join(log.read_text(errors="replace").strip().splitlines()[-3:])[-300:]
+                raise RuntimeError(f"the compile worker exited with {code}: {tail} (log: {log})")
+        (save / "done").touch()  # last: the engine loads only a complete set
         return True
+
+    def _num_workers(self) -> int:
+        """One worker per graph up to the cores this process may use. One alone where each would
+        hold its own copy of the weights (the exact tiers decode them: 4.8 GB of fp32 for a 1B
+        model); the fast tier's packed layouts are mapped, shared between the processes."""
+        graphs = len({key for _, _, key in plan_pieces(list(self.model.layers), set(self.model.capture_layers))})
+        shared = self.source is not None and self.source.quantization == "gguf" and self.source.dtype != "float32"
+        return max(1, min(graphs, len(os.sched_getaffinity(0)))) if shared else 1
+
+    def stop_workers(self) -> None:
+        for worker in self._workers:
+            if worker.poll() is None:
+                worker.kill()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stops the background build (engine shutdown, interpreter exit): the worker at once, the
         loading thread at its next graph."""
         self._stop = True
-        if self._worker is not None and self._worker.poll() is None:
-            self._worker.kill()
+        self.stop_workers()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         _running.discard(self)

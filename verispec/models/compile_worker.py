@@ -1,7 +1,10 @@
-"""`python -m verispec.models.compile_worker SPEC`: the compiling half of the engine's background compile.
+"""`python -m verispec.models.compile_worker SPEC [SHARE SHARES]`: the compiling half of the engine's
+background compile.
 
 It builds the model the engine described (`CompileSource`: the same file, precision and drafter
-taps), compiles its layer graphs into Inductor's on-disk cache at low priority, and exits. The
+taps), compiles its share of the layer graphs (graphs SHARE, SHARE + SHARES, ...; all by default:
+the engine runs one worker per share side by side) into Inductor's on-disk cache at low priority,
+saves them, and exits; the engine marks the set complete once every worker has. The
 engine's own build then finds every graph in the cache and only traces (models/compile.py). A
 process of its own, not a thread: Inductor's code generation is Python that would hold the
 engine's interpreter lock for tens of seconds while the eager steps answer, and a process can be
@@ -24,7 +27,9 @@ from verispec.models.packed_cache import layouts_for
 
 
 def main(argv: list[str] | None = None) -> int:
-    source = CompileSource(**json.loads((argv if argv is not None else sys.argv[1:])[0]))
+    args = argv if argv is not None else sys.argv[1:]
+    source = CompileSource(**json.loads(args[0]))
+    share, shares = (int(args[1]), int(args[2])) if len(args) >= 3 else (0, 1)
     if not source.save_to:
         raise SystemExit("compile_worker: the spec names no directory to save the graphs to")
     try:
@@ -42,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     graphs = LayerGraphs(model, source.block_size, source.max_tokens)
     save = Path(source.save_to)
     save.mkdir(parents=True, exist_ok=True)
-    graphs.build(save=save)
-    (save / "done").touch()  # last: the engine loads only a complete set
+    graphs.build_share(save, share, shares)
     return 0
 
 
