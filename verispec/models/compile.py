@@ -152,10 +152,9 @@ class LayerGraphs:
         """A compile worker's part: graphs `share`, `share + shares`, ... of the plan (numbered as
         `_switch` numbers them), compiled, checked against eager and saved; no switch."""
         layers = list(self.model.layers)
-        numbers: dict[tuple, int] = {}
         with torch.inference_mode():
-            for first, end, key in plan_pieces(layers, set(self.model.capture_layers)):
-                if key not in numbers and (i := numbers.setdefault(key, len(numbers))) % shares == share:
+            for i, first, end, _ in _graph_pieces(plan_pieces(layers, set(self.model.capture_layers))):
+                if i % shares == share:
                     self._checked(lambda _, piece: compile_piece(piece, self.model, self.block_size), i,
                                   tuple(layers[first:end]), save)
 
@@ -172,11 +171,10 @@ class LayerGraphs:
         graphs: dict[tuple, LayerGraph] = {}
         try:
             with torch.inference_mode():
-                for first, end, key in plan:
+                for i, first, end, key in _graph_pieces(plan):
                     if self._stop:
                         return
-                    if key not in graphs:
-                        graphs[key] = self._checked(make, len(graphs), tuple(layers[first:end]), save)
+                    graphs[key] = self._checked(make, i, tuple(layers[first:end]), save)
             self.seconds, self.num_graphs, self._cuts = time.perf_counter() - start, len(graphs), cuts
             # One assignment: the engine's next step runs compiled.
             self._pieces = [(first, tuple(layers[first:end]), graphs[key]) for first, end, key in plan]
@@ -295,6 +293,13 @@ class LayerGraphs:
         self._done.wait(timeout)
         return self.ready
 
+
+
+def _graph_pieces(plan: list[tuple[int, int, tuple]]) -> list[tuple[int, int, int, tuple]]:
+    """(number, first, end, key) of each key's first piece, in the plan's order: the graphs' numbers,
+    which name the files the workers save and the engine loads."""
+    numbers: dict[tuple, int] = {}
+    return [(numbers.setdefault(key, len(numbers)), first, end, key) for first, end, key in plan if key not in numbers]
 
 
 def compiled_step(model, source: CompileSource, compile_missing: bool = True) -> LayerGraphs | None:

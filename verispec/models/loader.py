@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -217,13 +217,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
     data = np.memmap(path, dtype=np.uint8, mode="r")
     fam = family(cfg.architecture)
     weights: dict[str, torch.Tensor | QuantizedWeight | GGUFBlocks] = {}
-    # The exact tier decodes every matrix (gguf's numpy, 10 s for a 1B file on one core): on every
-    # core, numpy releasing the GIL inside each operation.
-    pool = ThreadPoolExecutor(torch.get_num_threads()) if not keep_blocks else None
-    decoding = {t.name: pool.submit(_decoded, data[t.offset : t.offset + t.n_bytes], t.kind, tuple(t.shape))
-                for t in tensors if pool is not None and gguf_parts(t.name, fam) is not None}
-    if pool is not None:
-        pool.shutdown(wait=False)
+    decoding = {} if keep_blocks else _decoding([t for t in tensors if gguf_parts(t.name, fam) is not None], data)
     for t in tensors:
         names = gguf_parts(t.name, fam)
         if names is None:
@@ -241,6 +235,14 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool = False):
         for ours, part in _gguf_split(names, w, cfg, fam):
             weights[ours] = part.to(dtype) if isinstance(part, torch.Tensor) else part
     return cfg, weights
+
+
+def _decoding(tensors: list, data: np.ndarray) -> dict[str, Future]:
+    """Each tensor's fp32 values, decoding on every core: the exact tier decodes every matrix (gguf's
+    numpy, 10 s for a 1B file on one core), and numpy releases the GIL inside each operation."""
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # leaving it waits: all decoded by then
+        return {t.name: pool.submit(_decoded, data[t.offset : t.offset + t.n_bytes], t.kind, tuple(t.shape))
+                for t in tensors}
 
 
 def _decoded(raw: np.ndarray, kind: str, shape: tuple[int, ...]) -> torch.Tensor:
