@@ -109,23 +109,27 @@ def test_calibration_stats_count_each_tested_draft_in_its_tenth():
     assert calibrated(fresh, 0.99, greedy=False) == pytest.approx(0.99)
 
 
-def test_a_refused_step_keeps_a_draft_for_the_device_only_when_it_probes():
-    """At B = 0 the device admits nothing: a model drafter's kept draft would run a row and the
-    drafting for fresh scores alone. Only the first refused step of each REFUSAL_STREAK keeps one
-    (and a plan), every other refused step none and no plan; a budget B keeps B + max(1, B / 4)."""
-    from verispec.spec_decode.adaptive import REFUSAL_STREAK
+def test_a_refused_request_drafts_only_when_probed_and_probes_take_their_share_of_the_time():
+    """At B = 0 a model drafter's kept draft would run its drafting and a row for fresh scores
+    alone: a refused request keeps none and the step has no plan, until the steps have earned
+    the cost of a probe (PROBE_SHARE of their time). A probe verifies its first draft (a plan of
+    budget 1); over many steps probes cost at most their share."""
+    from verispec.spec_decode.drafting_gate import PROBE_SHARE
 
     ctl = AdaptiveController(4, CostModel([1, 8], [1.0, 8.0]), exact_host_scores=False, calibrated=True)
-    kept, plans = [], []
-    for _ in range(2 * REFUSAL_STREAK):
+    kept, budgets = [], []
+    for _ in range(400):
         e = entry("r", [0, 0, 0, 0])
         ctl.history(e.request.request_id).survival = [0.3, 0.09, 0.03, 0.01]  # never worth a row
         counts, plan = ctl.plan([e], [e.drafts])
         kept.append(counts[0])
-        plans.append(plan is not None and plan.budget == 0)
-    probe = [1] + [0] * (REFUSAL_STREAK - 1)
-    assert kept == probe * 2 and plans == [bool(x) for x in probe * 2]
-    assert ctl.stats.drafted_total == 2 and ctl.stats.budget_total == 0
+        budgets.append(None if plan is None else plan.budget)
+        ctl.observe_step(1, 1.0, 0.0, counts[0], int(counts[0] > 0))  # each step took a second
+    probes = [n for n, k in enumerate(kept) if k]
+    assert kept[:40] == [0] * 40 and budgets[:40] == [None] * 40  # a probe costs a row: 1 s, 50 steps' share
+    assert probes and all(kept[n] == 1 and budgets[n] == 1 for n in probes)
+    assert len(probes) * 1.0 <= PROBE_SHARE * 400 * 1.0 + 1e-9 and len(probes) >= 6
+    assert ctl.stats.probes == len(probes) and ctl.stats.budget_total == len(probes)
     ctl.cost = CostModel([1, 8], [1.0, 2.4])  # a row costs a fifth of the step: two drafts pay
     e = entry("r", [0, 0, 0, 0])
     ctl.history(e.request.request_id).survival = [0.9, 0.8, 0.05, 0.01]

@@ -361,13 +361,16 @@ def test_dspark_table_and_targets_read_the_rows():
             for batch in (1, 16):
                 out = [[1, 2, 3]] if variant != "dspark" or batch == 1 else [[1, 2, 4]]
                 rows.append(DSparkRow(variant, mode, batch, tokens=int(speed * 10), seconds=10.0, drafts=10,
-                                      accepted=25 if variant.startswith("dspark") else 5, outputs=out))
+                                      accepted=25 if variant.startswith("dspark") else 5, outputs=out,
+                                      steps=40, drafting_steps=10 if variant != "plain" else 0))
     _mark_identical(rows)
     calibration = [{"confidence": "0.9-1.0", "drafts": 40, "predicted": 0.93, "accepted": 0.88},
                    {"confidence": "0.0-0.1", "drafts": 3, "predicted": 0.05, "accepted": 0.9}]  # too few: not judged
     results = {"rows": rows, "calibration": calibration,
                "extractive": {"plain": 30.0, "ngram+adaptive": 50.0, "suffix+adaptive": 45.0, "dspark": 40.0,
-                              "dspark+adaptive": 55.0}}
+                              "dspark+adaptive": 55.0},
+               "extractive_drafted": {"plain": 0.0, "ngram+adaptive": 0.9, "suffix+adaptive": 0.8, "dspark": 1.0,
+                                      "dspark+adaptive": 0.5}}
     found = {t["target"]: t for t in targets(results)}
     assert found["batch 1, greedy: dspark+adaptive / plain >= 1.8"] == {
         "target": "batch 1, greedy: dspark+adaptive / plain >= 1.8", "value": 1.9, "met": True}
@@ -375,8 +378,11 @@ def test_dspark_table_and_targets_read_the_rows():
     assert found["calibration per tenth (>= 20 drafts) within 0.1"]["met"]
     assert found["extractive: best drafter with dspark no slower than without"]["value"] == 1.1
     table = format_dspark(results)
-    assert "| dspark | greedy | 16 | 16.0 | 1.60x | 3.50 | NO |" in table and "| T=0.8 | 1 |" in table
+    assert "| dspark | greedy | 16 | 16.0 | 1.60x | 3.50 | 25% | NO |" in table and "| T=0.8 | 1 |" in table
     assert "| 0.9-1.0 | 40 | 0.93 | 0.88 |" in table
+    assert "| dspark+adaptive | 55.0 | 1.83x | 50% |" in table
+    worst = found["open chat: every drafter + adaptive / plain >= 0.97"]
+    assert worst["value"] == 1.05 and worst["met"]  # suffix + adaptive, 10.5 against 10
 
 
 def test_training_plot_reads_a_loss_log(tmp_path):

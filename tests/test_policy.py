@@ -8,7 +8,7 @@ from test_drafter import decoding
 from test_scheduler import BLOCK, drafting, offer, run_step
 from verispec.config import SpeculativeConfig
 from verispec.core.kv_cache import BlockPool
-from verispec.core.step_types import Drafts, ScheduledRequest
+from verispec.core.step_types import Drafts, ScheduledRequest, SchedulerOutput
 from verispec.spec_decode.adaptive import AdaptiveController
 from verispec.spec_decode.cost import CostModel
 from verispec.spec_decode.drafter import NgramDrafter
@@ -93,7 +93,11 @@ def test_the_step_cost_is_learnt_with_its_drafting_apart():
     adaptive = AdaptiveController(3, CostModel([1, 8], [0.001, 0.002], learn=True), exact_host_scores=True)
     policy = DraftPolicy(Slow(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)), 3, 100, adaptive)
     started = time.perf_counter()
-    policy.propose([decoding("r", [4, 5, 6, 7, 4, 5, 6, 7], pending=4)])
-    policy.observe_cost(1, started, draft_seconds=0.01)
+    req = decoding("r", [4, 5, 6, 7, 4, 5, 6, 7], pending=4)
+    policy.propose([req])
+    step = SchedulerOutput([ScheduledRequest(req, 1, True, drafts=Drafts((4, 5)))])
+    policy.observe_cost(step, started, draft_seconds=0.01)
     assert 0.03 <= adaptive.cost.drafting < 0.05  # the 20 ms proposal and the 10 ms in the step
+    assert 0.03 <= float(adaptive.cost.drafting_costs([1])[0]) < 0.05  # learnt for one drafting request
     assert adaptive.cost.overhead < 0.005
+    assert adaptive.probe_credit.credit > 0  # the step earned its probes' share

@@ -148,6 +148,8 @@ class EngineStats(msgspec.Struct):
     adaptive_budget_tokens: int = 0
     adaptive_drafted_tokens: int = 0
     adaptive_admitted_tokens: int = 0
+    adaptive_drafting_steps: int = 0
+    adaptive_probes: int = 0
     adaptive_capacity_histogram: list[int] = msgspec.field(default_factory=list)
     adaptive_calibration: list[list[float]] = msgspec.field(default_factory=list)
     # Prefix caching, in tokens (queries: prompt tokens looked up at admission) and rows.
@@ -192,6 +194,10 @@ class EngineStats(msgspec.Struct):
                 "drafted_total": self.adaptive_drafted_tokens,
                 "admitted_total": self.adaptive_admitted_tokens,
                 "mean_admitted_per_step": self.adaptive_admitted_tokens / steps if steps else 0.0,
+                # Steps that ran a draft through the forward, and refused requests' drafts verified
+                # to renew their estimate (spec_decode/drafting_gate.py).
+                "drafting_steps": self.adaptive_drafting_steps,
+                "probes": self.adaptive_probes,
                 "capacity_histogram": list(self.adaptive_capacity_histogram),
                 # Per tenth of confidence: drafts tested, mean confidence, rate accepted.
                 "calibration": [{"confidence": f"{i / 10:.1f}-{(i + 1) / 10:.1f}", "drafts": int(n),

@@ -367,11 +367,10 @@ class LLMEngine:
 
     def engine_stats(self) -> EngineStats:
         """The engine's counters and gauges, the one place they are gathered."""
-        m, cache = self.spec_metrics, self.prefix_cache
-        adaptive = self.drafts.adaptive.stats if self.drafts is not None and self.drafts.adaptive else None
+        m, cache, drafts = self.spec_metrics, self.prefix_cache, self.drafts
+        adaptive = drafts.adaptive.stats if drafts is not None and drafts.adaptive else None
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.pool.num_blocks,
             kv_blocks_free=self.pool.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
@@ -384,6 +383,8 @@ class LLMEngine:
             adaptive_budget_tokens=adaptive.budget_total if adaptive else 0,
             adaptive_drafted_tokens=adaptive.drafted_total if adaptive else 0,
             adaptive_admitted_tokens=adaptive.admitted_total if adaptive else 0,
+            adaptive_drafting_steps=adaptive.drafting_steps if adaptive else 0,
+            adaptive_probes=adaptive.probes if adaptive else 0,
             adaptive_capacity_histogram=list(adaptive.capacity_histogram) if adaptive else [],
             adaptive_calibration=[list(t) for t in adaptive.calibration] if adaptive else [],
             prefix_cache_queries=cache.num_queries,

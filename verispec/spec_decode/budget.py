@@ -81,17 +81,27 @@ def completion_gains(scores: Sequence[Sequence[float]], order: Sequence[int], gr
     return gains
 
 
-def best_prefix(gains: list[float], num_waiting: float, base_tokens: int, cost) -> int:
-    """The B maximising (num_waiting + the first B gains) / cost(base_tokens + B): the clients'
-    expected advance per second, `gains` as `completion_gains` gives them; `cost` is the step's
-    CostModel. Every B but 0 also pays the drafting (`cost.drafting`): drafts that cannot repay
-    it are refused, and the refusals space the drafter out (AdaptiveController.should_draft).
+def best_prefix(gains: list[float], num_waiting: float, base_tokens: int, cost,
+                slot_requests: Sequence[int] | None = None) -> int:
+    """The B maximising (num_waiting + the first B gains) / (the step's cost with B draft rows +
+    the drafting of the requests among those B slots): the clients' expected advance per second,
+    `gains` as `completion_gains` gives them, `slot_requests` the request of each slot in the same
+    order (None: one drafting cost for every B but 0); `cost` is the step's CostModel. The drafting
+    is charged where it is paid: a DSpark block forward costs a third of a one-row step on one
+    CPU thread, so a request's first slot must repay it and its later slots need not. Drafts that
+    cannot repay it are refused, and a refused request drafts only when probed (drafting_gate.py).
     Ties go to the smaller B."""
     # Every B's gain (a running sum, in admission order) and cost at once: a batch of 32 requests
     # with 6 drafts each weighs 193 budgets a step, and one cost lookup each took a millisecond.
     totals = np.cumsum([float(num_waiting), *gains])
-    seconds = cost.many(base_tokens + np.arange(len(totals)))
-    seconds[1:] += cost.drafting
+    budgets = np.arange(len(totals))
+    if slot_requests is None:
+        drafting = np.minimum(budgets, 1)
+    else:
+        seen: set[int] = set()
+        firsts = [not (i in seen or seen.add(i)) for i in slot_requests]
+        drafting = np.cumsum([0, *firsts])
+    seconds = cost.step_costs(base_tokens, budgets) + cost.drafting_costs(drafting)
     values = (totals / seconds).tolist()
     best_b, best = 0, values[0]
     for b in range(1, len(values)):

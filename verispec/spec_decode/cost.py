@@ -27,10 +27,10 @@ class CostModel:
     step also pays what does not grow with its drafts: the host's work per request (scheduling,
     detokenizing), attention over long contexts, whatever else the machine is doing.
     With `learn`, every measured step (its wall time, read on the host after the step's one
-    synchronisation) moves `overhead` toward its excess over the table, and the table's slope
-    stays the forward's. Learning the slope from steps instead priced a draft row at what a
-    request costs (at 5 requests a step took 13.6 ms against the table's 8.3: 2 ms per token
-    against the forward's 0.55), and no draft paid.
+    synchronisation) moves `overhead` toward its excess over the table. Learning the table's
+    points from steps by their token count alone priced a draft row at what a request costs (at
+    5 requests a step took 13.6 ms against the table's 8.3: 2 ms per token against the
+    forward's 0.55), and no draft paid; hence the keys below, which tell requests from drafts.
 
     A step that drafts also pays the drafting, which verifying no draft would not: a DSpark
     block forward took 3.1 ms of a 14 ms step on one CPU thread, and a drafter accepting 0.3
@@ -38,7 +38,17 @@ class CostModel:
     measured step's drafting time is taken out of its excess and averaged in `drafting` (over
     the steps that drafted); `best_prefix` charges it to every budget but none.
 
-    A table the user gives is kept as given: it learns neither."""
+    The profile is only where the model starts. A step's own cost is learnt from the steps
+    themselves, keyed by what shapes it: `base` (its non-draft tokens) and B (its draft rows),
+    and the drafting by how many requests drafted. Profiled at start-up, beside the engine's
+    other start-up threads, the table priced one token at 15.6-21 ms where the same forward
+    took 8-12 ms a few seconds later (two threads), and its noise made the first draft row look
+    free (1 -> 2 tokens flat after the never-falling fix) while it cost 3.3-4.5 ms, a third of
+    a step: DSpark drafted on 87 % of its steps at 0.55-0.73x plain. Each (base, B) moves
+    toward its measured steps; a pair never measured takes the profile's extra rows scaled by
+    `row_scale`, what the measured extras have shown of the profile's error.
+
+    A table the user gives is kept as given: it learns nothing."""
 
     tokens: list[int]
     seconds: list[float]
@@ -47,6 +57,12 @@ class CostModel:
     drafting: float = 0.0  # seconds a step's drafting takes (learnt; 0 for a given table)
     # Single lookups by token count: every step looks one up (0.1 ms through numpy each time).
     _memo: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    row_scale: float = 1.0  # measured extra rows' cost over the profile's (learnt)
+    # Learnt: a step's seconds by base tokens (no drafts); its draft rows' extra by (base, B);
+    # the drafting's seconds by how many requests drafted. Each value with its count of measures.
+    _bases: dict[int, list] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _extras: dict[tuple[int, int], list] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _drafters: dict[int, list] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.seconds) or not self.tokens:
@@ -81,11 +97,44 @@ class CostModel:
         """`self(n)` for every n of an integer array."""
         return self.tables(num_tokens) + self.overhead
 
-    def observe(self, num_tokens: int, seconds: float, drafting: float = 0.0) -> None:
-        """One measured step of `num_tokens` tokens that spent `drafting` of its `seconds` drafting:
-        `drafting` moves toward that (if it drafted) and `overhead` toward the rest's excess over
-        the table (exponential averages), the excess capped at the table's cost. It never takes
-        a step below half the table's cost."""
+    def base_cost(self, base: int) -> float:
+        """A step of `base` tokens and no drafts: measured, else the table's cost and the overhead."""
+        known = self._bases.get(base)
+        return known[0] if known else self(base)
+
+    def step_costs(self, base: int, budgets) -> np.ndarray:
+        """The step's seconds with `base` non-draft tokens and B draft rows, for every B of an
+        integer array, the drafting apart: the base's cost, and each B's extra as measured at this
+        base, else the profile's extra rows scaled by `row_scale`. Never falling in B."""
+        b = np.asarray(budgets, dtype=np.int64)
+        extra = (self.tables(base + b) - self.table(base)) * self.row_scale
+        if self._extras:
+            for i, n in enumerate(b.tolist()):
+                if n and (known := self._extras.get((base, n))):
+                    extra[i] = known[0]
+        return self.base_cost(base) + np.maximum.accumulate(np.maximum(extra, 0.0))
+
+    def drafting_costs(self, num_drafting) -> np.ndarray:
+        """Seconds of a step's drafting for each count of drafting requests (0: none): as measured
+        for that count, else interpolated between the counts measured, proportional past the
+        largest, the smallest's below it (a drafter's launch costs what one request does)."""
+        d = np.asarray(num_drafting, dtype=np.int64)
+        if not self._drafters:
+            return np.where(d > 0, self.drafting, 0.0)
+        keys = sorted(self._drafters)
+        values = [self._drafters[k][0] for k in keys]
+        out = np.interp(d, keys, values)
+        beyond = d > keys[-1]
+        out[beyond] = values[-1] * d[beyond] / keys[-1]
+        return np.where(d > 0, out, 0.0)
+
+    def observe(self, num_tokens: int, seconds: float, drafting: float = 0.0, num_drafts: int = 0,
+                num_drafting: int = 0) -> None:
+        """One measured step of `num_tokens` tokens, `num_drafts` of them draft rows, that spent
+        `drafting` of its `seconds` drafting for `num_drafting` requests: each learnt value moves
+        toward what this step shows (a running mean over its first measures, then an exponential
+        average), and `overhead` toward the step's excess over the table. A step over twice its
+        estimate counts at that bound."""
         if not self.learn or num_tokens < 1 or seconds <= 0:
             return
         if drafting > 0:
@@ -93,6 +142,20 @@ class CostModel:
             first = self.drafting == 0
             self.drafting = drafting if first else self.drafting + COST_LEARNING_RATE * (drafting - self.drafting)
             seconds = max(seconds - drafting, 1e-9)
+            if num_drafting:
+                _learn(self._drafters, num_drafting, drafting)
+        base = num_tokens - num_drafts
+        if num_drafts and base >= 1:
+            if base in self._bases:  # an extra is measured against a measured base only
+                estimate = float(self.step_costs(base, [num_drafts])[0])
+                extra = min(seconds, 2 * estimate) - self._bases[base][0]
+                profiled = self.table(num_tokens) - self.table(base)
+                if profiled > 0:
+                    ratio = min(4.0, max(0.25, extra / profiled))
+                    self.row_scale += COST_LEARNING_RATE * (ratio - self.row_scale)
+                _learn(self._extras, (base, num_drafts), extra)
+        elif not num_drafts:
+            _learn(self._bases, base, min(seconds, 2 * self.base_cost(base)))
         # A step over twice its table's cost is an outlier (a graph compiled for a new shape, a
         # collection, a neighbour's burst): counted at that bound, or one such step of a second
         # priced the next ten steps' draft rows as nearly free (the overhead dwarfing them).
@@ -141,3 +204,14 @@ class CostModel:
                         torch.cuda.synchronize()
                     best[n] = min(best[n], time.perf_counter() - t0)
         return cls(grid, [best[n] for n in grid], learn=True)
+
+
+def _learn(table: dict, key, value: float) -> None:
+    """Moves table[key] ([value, count]) toward `value`: the mean of its first measures, then an
+    exponential average at COST_LEARNING_RATE (one step's wall time on a shared VM is noisy)."""
+    entry = table.get(key)
+    if entry is None:
+        table[key] = [value, 1]
+        return
+    entry[1] += 1
+    entry[0] += max(COST_LEARNING_RATE, 1.0 / entry[1]) * (value - entry[0])

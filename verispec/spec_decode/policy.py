@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from verispec.core.request import Request
-from verispec.core.step_types import NO_DRAFTS, AdaptivePlan, Drafts, RequestResult, ScheduledRequest
+from verispec.core.step_types import NO_DRAFTS, AdaptivePlan, Drafts, RequestResult, ScheduledRequest, SchedulerOutput
 from verispec.spec_decode.adaptive import AdaptiveController
 from verispec.spec_decode.drafter import Drafter
 from verispec.spec_decode.metrics import SpecDecodeMetrics
@@ -50,7 +50,9 @@ class DraftPolicy:
     def propose(self, running: list[Request]) -> None:
         """The drafts each running request may carry next step."""
         self._propose_seconds = 0.0
-        if self.adaptive is not None and not self.adaptive.should_draft():
+        # A model drafter's proposals are placeholders, free until the plan keeps them; a host
+        # drafter's cost its host time, spaced out while every draft is refused.
+        if self.adaptive is not None and not self.drafter.drafts_in_step and not self.adaptive.should_draft():
             return
         began = time.perf_counter()
         rooms = [draft_room(req, self.k, self.max_model_len) for req in running]
@@ -60,13 +62,17 @@ class DraftPolicy:
         self._proposed.update(self.drafter.propose(running, rooms))
         self._propose_seconds = time.perf_counter() - began
 
-    def observe_cost(self, num_tokens: int, started: float, draft_seconds: float = 0.0) -> None:
+    def observe_cost(self, sched: SchedulerOutput, started: float, draft_seconds: float = 0.0) -> None:
         """The step's measured cost (everything since `started`), for the adaptive budget's cost
-        model: of it, the drafting (a model drafter's `draft_seconds` in the step, a host
-        drafter's proposal for the next one) apart."""
+        model: its tokens, its draft rows and its drafting requests, and of its time the drafting
+        (a model drafter's `draft_seconds` in the step, a host drafter's proposal for the next
+        one) apart."""
         if self.adaptive is not None:
             drafting = draft_seconds + self._propose_seconds
-            self.adaptive.cost.observe(num_tokens, time.perf_counter() - started, drafting)
+            num_drafts = sum(len(s.drafts) for s in sched.scheduled)
+            num_drafting = sum(1 for s in sched.scheduled if s.drafts)
+            self.adaptive.observe_step(sched.num_tokens, time.perf_counter() - started, drafting, num_drafts,
+                                       num_drafting)
 
     # ------------------------------------------------------------------ while scheduling
     def num_proposed(self, req: Request) -> int:
