@@ -79,8 +79,9 @@ def digest(outputs, stats: dict | None = None) -> str:
         for out in outputs
     ]
     counters = {k: stats[k] for k in DRAFT_COUNTERS if k in stats} if stats is not None else None
-    if counters and "adaptive" in counters:  # decisions only: the calibration report came later
-        counters["adaptive"] = {k: v for k, v in counters["adaptive"].items() if k != "calibration"}
+    if counters and "adaptive" in counters:  # decisions only: these reports came later
+        late = ("calibration", "drafting_steps", "probes")
+        counters["adaptive"] = {k: v for k, v in counters["adaptive"].items() if k not in late}
     return hashlib.sha256(json.dumps([record, counters]).encode()).hexdigest()
 
 
