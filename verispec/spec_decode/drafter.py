@@ -101,6 +101,9 @@ class ModelDrafter:
     drafts_in_step = True
     calibrated = False
     num_layers: int | None = None  # layers of the drafting model to run (None: all)
+    # Of the last `draft`, the seconds spent catching up on the context of steps that did not
+    # draft (DSpark's pending writes): paid once after a pause, not by every drafting step.
+    catch_up_seconds: float = 0.0
 
     def propose(self, running: list[Request], rooms: list[int]) -> dict[str, Drafts]:
         # A constrained request is not drafted for: its drafts would appear on the device in

@@ -23,6 +23,8 @@ hidden states and drafts a whole block (the network: models/dspark.py).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from verispec.config import EngineConfig, SpeculativeConfig
@@ -111,9 +113,12 @@ class DSparkDrafter(ModelDrafter):
     @torch.inference_mode()
     def draft(self, inputs: DraftInputs, scheduled) -> dict[str, ModelDrafts]:
         jobs = [s for s in scheduled if s.drafts]
+        self.catch_up_seconds = 0.0
         if not jobs:
             return {}
+        began = time.perf_counter()
         self._flush(inputs)
+        self.catch_up_seconds = time.perf_counter() - began
         hidden, anchors = self._blocks(inputs, [s.request for s in jobs])
         first, k = self.cfg.first_slot, max(len(s.draft_token_ids) for s in jobs)
         slots = hidden[:, first : first + k]  # [R, K, hidden]: slot j drafts the j-th token
