@@ -36,7 +36,8 @@ class DraftDecider(Protocol):
 
     def propose(self, running: list[Request]) -> None: ...
 
-    def observe_cost(self, sched: SchedulerOutput, started: float, draft_seconds: float = 0.0) -> None: ...
+    def observe_cost(self, sched: SchedulerOutput, started: float, draft_seconds: float = 0.0,
+                     catch_up_seconds: float = 0.0) -> None: ...
 
     def num_proposed(self, req: Request) -> int: ...
 
@@ -212,7 +213,7 @@ class Scheduler:
         if self.drafts is not None:
             self.drafts.propose(self.running)
             if started is not None:
-                self.drafts.observe_cost(sched, started, result.draft_seconds)
+                self.drafts.observe_cost(sched, started, result.draft_seconds, result.catch_up_seconds)
 
     def finish(self, req: Request) -> None:
         """Removes a finished or aborted request, returns its blocks and tells the draft policy."""

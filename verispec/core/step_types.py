@@ -118,6 +118,7 @@ class StepResult:
 
     requests: dict[str, RequestResult] = field(default_factory=dict)
     draft_seconds: float = 0.0
+    catch_up_seconds: float = 0.0  # of the drafting, a model drafter's catch-up after a pause
 
     def of(self, request_id: str) -> RequestResult:
         """The request's record, created empty on first use."""

@@ -303,10 +303,15 @@ class AdaptiveController:
         return min(slots, budget + max(1, budget // 4))
 
     def observe_step(self, num_tokens: int, seconds: float, drafting: float, num_drafts: int,
-                     num_drafting: int) -> None:
-        """One measured step: the cost model learns it, and it earns the probes their share."""
-        self.cost.observe(num_tokens, seconds, drafting, num_drafts, num_drafting)
+                     num_drafting: int, catch_up: float = 0.0) -> None:
+        """One measured step: the cost model learns it, and it earns the probes their share. A
+        model drafter's catch-up on the context of steps that did not draft (`catch_up`, part of
+        `drafting`) is not what the next draft costs: the cost model leaves it out, and the probes'
+        credit pays it, since a pause ends with a probe (on a 630-token prompt, DSpark's first draft
+        writes the whole prompt's context)."""
+        self.cost.observe(num_tokens, seconds - catch_up, drafting - catch_up, num_drafts, num_drafting)
         self.probe_credit.earn(seconds)
+        self.probe_credit.credit -= catch_up
 
     # ------------------------------------------------------------------ after the step
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:

@@ -42,6 +42,9 @@ from verispec.spec_decode.metadata import PLACEHOLDER, ModelDrafts
 # Context writes a CPU keeps pending at most (tokens): 4096 x 5 layers x 576 x 2 bytes is 24 MB for
 # SmolLM2-135M; a long prefill with no draft after it is written in parts.
 PENDING_TOKENS = 4096
+# A forward of at least this many rows is a prefill chunk (a step's decode rows are one per request
+# and its drafts): its context is written at once.
+PREFILL_ROWS = 64
 
 
 class DSparkDrafter(ModelDrafter):
@@ -92,7 +95,9 @@ class DSparkDrafter(ModelDrafter):
         self._pending.append((features, positions, meta.slot_mapping))
         self._pending_tokens += features.shape[0]
         # On CUDA the captured outputs may be a graph's static buffers, rewritten by the next step.
-        if inputs.device.type != "cpu" or self._pending_tokens >= PENDING_TOKENS:
+        # A prefill chunk's writes go in at once, a small share of its forward: left pending, a
+        # 630-token prompt's became the first draft's catch-up, and that paused the probes.
+        if inputs.device.type != "cpu" or self._pending_tokens >= PENDING_TOKENS or features.shape[0] >= PREFILL_ROWS:
             self._flush(inputs)
 
     def _flush(self, inputs: DraftInputs) -> None:

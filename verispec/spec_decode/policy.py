@@ -62,17 +62,18 @@ class DraftPolicy:
         self._proposed.update(self.drafter.propose(running, rooms))
         self._propose_seconds = time.perf_counter() - began
 
-    def observe_cost(self, sched: SchedulerOutput, started: float, draft_seconds: float = 0.0) -> None:
+    def observe_cost(self, sched: SchedulerOutput, started: float, draft_seconds: float = 0.0,
+                     catch_up_seconds: float = 0.0) -> None:
         """The step's measured cost (everything since `started`), for the adaptive budget's cost
         model: its tokens, its draft rows and its drafting requests, and of its time the drafting
         (a model drafter's `draft_seconds` in the step, a host drafter's proposal for the next
-        one) apart."""
+        one) apart, and of that a model drafter's catch-up after a pause (`catch_up_seconds`)."""
         if self.adaptive is not None:
             drafting = draft_seconds + self._propose_seconds
             num_drafts = sum(len(s.drafts) for s in sched.scheduled)
             num_drafting = sum(1 for s in sched.scheduled if s.drafts)
             self.adaptive.observe_step(sched.num_tokens, time.perf_counter() - started, drafting, num_drafts,
-                                       num_drafting)
+                                       num_drafting, catch_up_seconds)
 
     # ------------------------------------------------------------------ while scheduling
     def num_proposed(self, req: Request) -> int:

@@ -71,8 +71,7 @@ class ModelRunner:
         began = time.perf_counter()
         drafts = self.drafter.draft(self.draft_inputs, sched.scheduled) if self.drafter is not None else {}
         # On a CPU the drafting's whole cost; on CUDA only its launches (the work runs on with the step).
-        # A catch-up on the context of steps that did not draft is not what the next draft costs.
-        draft_seconds = max(time.perf_counter() - began - self.drafter.catch_up_seconds, 0.0) if drafts else 0.0
+        draft_seconds = time.perf_counter() - began if drafts else 0.0
         batch = self.build_batch(sched)
         verify_meta = None
         if batch.sampled:
@@ -89,6 +88,7 @@ class ModelRunner:
             torch.cuda.current_stream().synchronize()
         result = self._step_result(verify_meta, host, prompt_host)
         result.draft_seconds = draft_seconds
+        result.catch_up_seconds = self.drafter.catch_up_seconds if drafts else 0.0
         return result
 
     def build_batch(self, sched: SchedulerOutput) -> FlatBatch:
