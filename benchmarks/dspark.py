@@ -28,6 +28,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
     "ngram+adaptive": {"method": "ngram", "num_speculative_tokens": 5, "adaptive_verification": True},
     "suffix+adaptive": {"method": "suffix", "adaptive_verification": True},
+    "layer_skip+adaptive": {"method": "layer_skip", "num_layers": 15, "num_speculative_tokens": 4,
+                            "adaptive_verification": True},
     "dspark": {"method": "dspark"},
     "dspark+adaptive": {"method": "dspark", "adaptive_verification": True},
 }

@@ -173,6 +173,7 @@ class AdaptiveController:
         # ngram: the host's scores are this step's own, so the trim is exact and needs no slack.
         self.exact_host_scores = exact_host_scores
         self.global_confidence = [PRIOR_CONFIDENCE] * k
+        self.global_counts = [0] * k
         # q peak -> acceptance rate, one table for greedy requests and one for random ones, and
         # how many outcomes each bucket has seen.
         start = ([(lo + hi) / 2 for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:] + (1.0,))] if calibrated
@@ -181,6 +182,11 @@ class AdaptiveController:
         self.calibration_counts = [[0] * len(Q_BUCKET_EDGES) for _ in range(2)]
         self.stats = AdaptiveStats(capacity_histogram=[0] * (k + 1))
         self.refused = 0  # planned steps in a row whose budget was 0
+        # A model drafter's host estimate is its previous step's survivals: by the bucket of its
+        # first slot's, how often the next verified first draft landed (a prior of PRIOR_WEIGHT
+        # outcomes at the bucket's middle, then an EMA, as the calibration).
+        self.persistence = [(lo + hi) / 2 for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:] + (1.0,))]
+        self.persistence_counts = [0] * len(Q_BUCKET_EDGES)
         self.probe_credit = ProbeCredit()
         self._since_draft = 0  # steps since the drafter last proposed
         self._history: dict[str, RequestHistory] = {}
@@ -220,7 +226,10 @@ class AdaptiveController:
         num_drafts = len(drafts)
         history = self.history(req.request_id)
         if not self.exact_host_scores and history.survival:
-            prev = history.survival[:num_drafts]
+            # Last step's survivals, scaled to what a first slot with such a stale estimate landed.
+            first = history.survival[0]
+            trust = min(1.0, self.persistence[q_bucket(first)] / first) if first > 0 else 0.0
+            prev = [x * trust for x in history.survival[:num_drafts]]
             conf = self.global_confidence
             while len(prev) < num_drafts:  # a longer draft than last time: extend by the prior
                 prev.append(prev[-1] * conf[len(prev)])
@@ -308,8 +317,11 @@ class AdaptiveController:
         model drafter's catch-up on the context of steps that did not draft (`catch_up`, part of
         `drafting`) is not what the next draft costs: the cost model leaves it out, and the probes'
         credit pays it, since a pause ends with a probe (on a 630-token prompt, DSpark's first draft
-        writes the whole prompt's context)."""
+        writes the whole prompt's context). Under a given cost table the steps earn the table's
+        cost, not their time: the same requests then make the same decisions (the golden digests)."""
         self.cost.observe(num_tokens, seconds - catch_up, drafting - catch_up, num_drafts, num_drafting)
+        if not self.cost.learn:  # a given table: its own costs, so that the decisions never hang on timing
+            seconds, catch_up = self.cost(num_tokens), 0.0
         self.probe_credit.earn(seconds)
         self.probe_credit.credit -= catch_up
 
@@ -323,13 +335,23 @@ class AdaptiveController:
         self.stats.capacity_histogram[capacity] += 1
         history = self.history(req.request_id)
         history.renewed = True
+        if not self.exact_host_scores and history.survival and capacity:
+            b = q_bucket(history.survival[0])
+            self.persistence_counts[b] += 1
+            step = max(GLOBAL_EMA, 1.0 / (self.persistence_counts[b] + PRIOR_WEIGHT))
+            self.persistence[b] += step * (float(num_accepted > 0) - self.persistence[b])
         conf = history.confidence
         table = self.calibration[0 if req.params.greedy else 1]
         counts = self.calibration_counts[0 if req.params.greedy else 1]
         for j in range(min(num_accepted + 1, capacity)):
             outcome = 1.0 if j < num_accepted else 0.0
             conf[j] += REQUEST_EMA * (outcome - conf[j])
-            self.global_confidence[j] += GLOBAL_EMA * (outcome - self.global_confidence[j])
+            # Young, the prior counts as PRIOR_WEIGHT outcomes: a new request starts from it, and
+            # from 0.8 a slot every new DSpark request of the first dozen verified 3-5 drafts of
+            # open chat on its first step, and landed none.
+            self.global_counts[j] += 1
+            step = max(GLOBAL_EMA, 1.0 / (self.global_counts[j] + PRIOR_WEIGHT))
+            self.global_confidence[j] += step * (outcome - self.global_confidence[j])
             if q is not None:
                 tenth = self.stats.calibration[min(9, int(q[j] * 10))]
                 tenth[0], tenth[1], tenth[2] = tenth[0] + 1, tenth[1] + q[j], tenth[2] + outcome
