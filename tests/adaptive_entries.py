@@ -14,7 +14,7 @@ def entry(group: str, drafts: list[int], written: int = 0, greedy: bool = True):
     """A scheduled decode entry of a request of `group` that has written `written` of 64 tokens,
     with `drafts` on offer."""
     req = SimpleNamespace(request_id=f"{group}#{next(_ids)}", params=SimpleNamespace(greedy=greedy), group=group,
-                          max_tokens=64, num_output_tokens=written)
+                          max_tokens=64, num_output_tokens=written, token_ids=[], num_tokens=0)
     return SimpleNamespace(request=req, drafts=Drafts(tuple(drafts)), samples=True, num_new_tokens=1)
 
 

@@ -1,5 +1,4 @@
-"""Adaptive verification: the budget and the admission on hand-made inputs; then, with capacities
-decided on the device, lossless greedy output, exact logprobs in every mode, chunked verification
+"""Adaptive verification, with capacities decided on the device: lossless greedy output, exact logprobs in every mode, chunked verification
 equal to unchunked, and the output distribution by chi-square."""
 
 from __future__ import annotations
@@ -15,46 +14,11 @@ from test_verify import chi_square
 from verispec import LLM, SamplingParams
 from verispec.outputs import LogprobsTensors
 from verispec.spec_decode import verify as verify_mod
-from verispec.spec_decode.adaptive import admission_order, admit, slot_counts
 
 # A CPU-like forward: a token costs 2% of a one-token step up to 64 tokens, ten times that past
 # them. Budgets land strictly between "verify nothing" and "verify everything" at every batch size
 # tested, so the device really chooses.
 COST = [[1, 1.0], [64, 2.3], [256, 22.0]]
-
-
-def survival_rows(rows: int, width: int, seed: int) -> tuple[torch.Tensor, list[list[float]]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, width + 1, (rows,), generator=g).tolist()
-    conf = torch.rand(rows, width, generator=g)
-    conf[conf < 0.2] = 1.0  # repeated scores along a request: ties
-    scores = torch.full((rows, width), float("-inf"))
-    host = []
-    for i, n in enumerate(lengths):
-        scores[i, :n] = conf[i, :n].cumprod(0)
-        host.append(scores[i, :n].tolist())
-    return scores, host
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_admission_gives_prefix_capacities_that_fill_the_budget(seed):
-    scores, host = survival_rows(9, 6, seed)
-    total = sum(len(h) for h in host)
-    for budget in range(total + 1):
-        caps = admit(scores, budget)
-        assert caps.sum().item() == budget
-        assert caps.tolist() == slot_counts(admission_order(host), len(host), budget)
-        # The admitted slots are exactly the `budget` best scores (up to ties at the threshold).
-        admitted = sorted((s for h, c in zip(host, caps.tolist()) for s in h[:c]), reverse=True)
-        assert admitted == sorted((s for h in host for s in h), reverse=True)[:budget]
-
-
-def test_admission_never_admits_a_later_slot_of_a_tied_request_first():
-    # All scores 1.0: ties everywhere; capacities must still be prefixes of the drafts present.
-    scores = torch.tensor([[1.0, 1.0, float("-inf")], [1.0, 1.0, 1.0]])
-    for budget in range(6):
-        caps = admit(scores, budget).tolist()
-        assert sum(caps) == budget and caps[0] <= 2
 
 
 # ------------------------------------------------------------------------------ the engine

@@ -135,3 +135,34 @@ def test_a_refused_request_drafts_only_when_probed_and_probes_take_their_share_o
     ctl.history(e.request.request_id).survival = [0.9, 0.8, 0.05, 0.01]
     counts, plan = ctl.plan([e], [e.drafts])
     assert plan.budget == 2 and counts == [3]  # B and one slack draft for the device
+
+
+def test_a_refused_prompt_lookup_draft_is_checked_against_what_the_request_wrote():
+    """A refused host draft costs nothing to score: the token plain decoding wrote equals the
+    draft as often as verification would accept it. A match raises the request's estimate and
+    has it weighed again; a miss lowers it; nothing written yet keeps the draft for later."""
+    from types import SimpleNamespace
+
+    from verispec.core.step_types import Drafts
+    from verispec.spec_decode.adaptive import REQUEST_EMA
+
+    ctl = AdaptiveController(4, CostModel([1, 8], [1.0, 8.0]), exact_host_scores=True)  # rows never pay
+    req = SimpleNamespace(request_id="r", params=SimpleNamespace(greedy=True), group="r", max_tokens=64,
+                          num_output_tokens=0, token_ids=[5, 6, 7])
+    req.num_tokens = 3
+    e = SimpleNamespace(request=req, drafts=Drafts((8, 9, 10)), samples=True, num_new_tokens=1)
+    history = ctl.history("r")
+    before = history.confidence[0]
+    assert ctl.plan([e], [e.drafts])[0] == [0] and history.shadow == (3, (8, 9, 10))
+    ctl.check_shadow(req)  # nothing written yet
+    assert history.shadow is not None and history.confidence[0] == before
+    req.token_ids.append(8)  # the step wrote the draft's first token
+    ctl.check_shadow(req)
+    assert history.confidence[0] == pytest.approx(before + REQUEST_EMA * (1 - before))
+    assert history.renewed and history.shadow is None
+    history.renewed, req.num_tokens = False, 4
+    ctl.plan([e], [e.drafts])  # refused again, from position 4
+    req.token_ids.append(3)  # a miss
+    high = history.confidence[0]
+    ctl.check_shadow(req)
+    assert history.confidence[0] == pytest.approx(high - REQUEST_EMA * high) and not history.renewed

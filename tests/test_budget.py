@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from adaptive_entries import entry, plan_counts_of, uniform_history
-from verispec.spec_decode.adaptive import AdaptiveController, admission_order
+from verispec.spec_decode.adaptive import AdaptiveController
+from verispec.spec_decode.admission import admission_order
 from verispec.spec_decode.cost import CostModel
 from verispec.spec_decode.budget import Groups, best_prefix, completion_gains
 

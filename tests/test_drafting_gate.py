@@ -49,7 +49,7 @@ def _simulate(ctl: AdaptiveController, steps: int, turn: int, model_drafter: boo
     for a request that drafted. Returns per step: drafts verified, tokens emitted, seconds."""
     rng = random.Random(seed)
     req = SimpleNamespace(request_id="r", params=SimpleNamespace(greedy=True), group="r", max_tokens=10**6,
-                          num_output_tokens=0)
+                          num_output_tokens=0, token_ids=[], num_tokens=0)
     out = []
     for step in range(steps):
         copying = step >= turn

@@ -12,7 +12,7 @@ from verispec.core.step_types import Drafts, ScheduledRequest, SchedulerOutput
 from verispec.spec_decode.adaptive import AdaptiveController
 from verispec.spec_decode.cost import CostModel
 from verispec.spec_decode.drafter import NgramDrafter
-from verispec.spec_decode.policy import DraftPolicy, draft_room
+from verispec.spec_decode.policy import SPACED_SHARE, DraftPolicy, draft_room
 
 
 def test_draft_room_is_what_the_request_can_still_emit():
@@ -57,7 +57,14 @@ def test_with_adaptive_verification_proposals_pause_while_drafts_are_refused():
     adaptive = AdaptiveController(3, CostModel([1, 8], [1.0, 8.0]), exact_host_scores=True)
     policy = ngram_policy(k=3, adaptive=adaptive)
     repeat = decoding("r", [4, 5, 6, 7, 4, 5, 6, 7], pending=4)
-    adaptive.refused = REFUSAL_STREAK  # every other step proposes
+    adaptive.refused = REFUSAL_STREAK  # every other step would propose
+    proposed = []
+    for _ in range(4):
+        policy._proposed.clear()
+        policy.propose([repeat])
+        proposed.append(policy.num_proposed(repeat))
+    assert proposed == [3, 3, 3, 3]  # proposals that cost nothing are never spaced
+    policy._propose_share = 2 * SPACED_SHARE  # proposals that take a share of the step are
     proposed = []
     for _ in range(4):
         policy._proposed.clear()

@@ -197,5 +197,7 @@ def test_a_step_that_does_not_draft_still_retires_finished_requests(tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     llm.generate(repetitive_prompts(4, seed=5), params, use_tqdm=False)
     cache = llm.engine.drafts.drafter.cache
-    assert llm.engine.drafts.adaptive.refused > 2 * REFUSAL_STREAK and llm.stats()["num_drafts"] == 0
+    stats = llm.stats()
+    assert llm.engine.drafts.adaptive.refused > 2 * REFUSAL_STREAK
+    assert stats["num_drafts"] == stats["adaptive"]["probes"]  # none verified but the probes
     assert cache.live == {} and cache.requests == {} and cache.stats().cached_requests == 4

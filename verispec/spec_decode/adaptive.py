@@ -42,6 +42,7 @@ import torch
 
 from verispec.core.step_types import AdaptivePlan
 from verispec.device_copy import to_device
+from verispec.spec_decode.admission import admission_order, slot_counts
 from verispec.spec_decode.budget import Groups, best_prefix, completion_gains
 from verispec.spec_decode.cost import CostModel
 from verispec.spec_decode.drafting_gate import ProbeCredit
@@ -77,49 +78,6 @@ def q_bucket(q: float) -> int:
     return int(np.searchsorted(_EDGES, q, side="right")) - 1
 
 
-def admission_keys(scores: torch.Tensor) -> torch.Tensor:
-    """[R, K] float64 keys that order the slots: the score, less a tiny penalty per position and a
-    tinier one per request. Scores never rise along a request, so keys strictly fall: whether
-    slot j is admitted depends on its own score and other requests' slots, never on this
-    request's later slots (whose scores depend on draft j). No two keys tie, so the host twin
-    and the device agree."""
-    r, k = scores.shape
-    j = torch.arange(k, dtype=torch.float64, device=scores.device)[None, :]
-    i = torch.arange(r, dtype=torch.float64, device=scores.device)[:, None]
-    return scores.double() - 1e-9 * j - 1e-13 * i
-
-
-def admission_order(scores: list[list[float]]) -> list[int]:
-    """Host twin of `admit`'s ranking: the request of every slot, best key first (a request's
-    slots come in draft order). The keys are `admission_keys`' own arithmetic in Python floats
-    (the score rounded to float32, then the same two float64 subtractions), so host and device
-    rank alike without building a tensor."""
-    keys = [(-((x - 1e-9 * j) - 1e-13 * i), i) for i, row in enumerate(scores)
-            for j, x in enumerate(np.asarray(row, dtype=np.float32).tolist())]
-    return [i for _, i in sorted(keys)]
-
-
-def slot_counts(order: list[int], num_requests: int, budget: int) -> list[int]:
-    """How many of each request's slots the first `budget` of `order` hold: its capacity (in
-    `admission_order`, what `admit` gives)."""
-    counts = [0] * num_requests
-    for i in order[:budget]:
-        counts[i] += 1
-    return counts
-
-
-def admit(scores: torch.Tensor, budget: int) -> torch.Tensor:
-    """Per-request capacities [R] (device int64) from survival scores [R, K] (-inf past a
-    request's drafts): the `budget` slots with the highest keys (`admission_keys`). Keys fall
-    along a request, so the admitted slots of each request are a prefix of its drafts and the
-    count of them is its capacity."""
-    r, k = scores.shape
-    if budget <= 0 or k == 0:
-        return torch.zeros(r, dtype=torch.long, device=scores.device)
-    top = admission_keys(scores).reshape(-1).topk(budget).indices
-    return torch.zeros(r * k, dtype=torch.long, device=scores.device).index_fill_(0, top, 1).view(r, k).sum(dim=1)
-
-
 @dataclass(slots=True)
 class RequestHistory:
     """One request's estimates, kept across its steps (AdaptiveController, by request id)."""
@@ -128,6 +86,9 @@ class RequestHistory:
     survival: list[float] | None = None  # the survival of the drafts it verified last (model drafters)
     waited: int = 0  # planned steps since it last had a draft verified (drafting_gate.py)
     renewed: bool = False  # an outcome came in since it was last planned
+    # A refused host draft (prompt lookup): where it started and its tokens, checked against what
+    # the request then wrote (`AdaptiveController.check_shadow`).
+    shadow: tuple[int, tuple[int, ...]] | None = None
 
 
 def survival_scores(plan: AdaptivePlan, reqs, num_drafts: list[int], confidence: list[torch.Tensor | None],
@@ -245,6 +206,9 @@ class AdaptiveController:
         admit: no request drafts, or the host's scores are this step's own (ngram), so the trim
         keeps exactly the B best slots and every draft left is verified. Host values only: it
         never waits for the device."""
+        if self.exact_host_scores:
+            for entry in scheduled:
+                self.check_shadow(entry.request)
         drafting = [i for i, d in enumerate(drafts) if len(d)]
         counts = [0] * len(scheduled)
         if not drafting:
@@ -266,6 +230,8 @@ class AdaptiveController:
         for i, n, history in zip(drafting, kept, histories):
             counts[i] = n
             history.waited, history.renewed = 0 if n else history.waited + 1, False
+            if not n and self.exact_host_scores:
+                history.shadow = (scheduled[i].request.num_tokens, drafts[i].token_ids)
         self.stats.num_steps += 1
         self.stats.budget_total += budget
         self.stats.drafted_total += keep
@@ -326,6 +292,30 @@ class AdaptiveController:
         self.probe_credit.credit -= catch_up
 
     # ------------------------------------------------------------------ after the step
+    def check_shadow(self, req) -> None:
+        """A refused prompt-lookup draft against the tokens the request wrote since: drafts are
+        tokens of the context, and a token plain decoding writes equals the draft exactly as
+        often as verification would have accepted it (greedy: the argmax; sampled: with chance
+        p(draft) either way), so each written token is an outcome, free. Without it a refused
+        request learnt only from probes: on a copying prompt after open chat, prompt lookup ran at
+        1.00x plain where it had run at 1.63x. Only the first positions the request has written
+        are checked; a match renews the request's estimate."""
+        history = self._history.get(req.request_id)
+        if history is None or history.shadow is None:
+            return
+        start, tokens = history.shadow
+        written = req.token_ids[start : start + len(tokens)]
+        if not written:
+            return
+        history.shadow = None
+        matched = 0
+        while matched < len(written) and written[matched] == tokens[matched]:
+            matched += 1
+        conf = history.confidence
+        for j in range(min(matched + 1, len(written))):
+            conf[j] += REQUEST_EMA * (float(j < matched) - conf[j])
+        history.renewed = history.renewed or matched > 0
+
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:
         """One request's verified outcome: positions 0..capacity-1 were verified, the first
         num_accepted accepted; the one after them (if verified) rejected, later ones unseen.

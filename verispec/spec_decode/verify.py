@@ -24,7 +24,7 @@ import torch
 from verispec.device_copy import to_device
 from verispec.outputs import LogprobsTensors
 from verispec.sample.processors import apply_processors
-from verispec.spec_decode.adaptive import admit
+from verispec.spec_decode.admission import admit
 from verispec.spec_decode.metadata import PLACEHOLDER, SpecDecodeMetadata
 from verispec.spec_decode.rejection import assemble, row_outcomes
 
