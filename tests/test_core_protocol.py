@@ -15,11 +15,11 @@ def test_engine_stats_as_llm_stats_derives_the_ratios_and_shows_adaptive_only_wh
     assert "adaptive" not in d and EngineStats().as_dict()["mean_acceptance_length"] == 0.0
     tenths = [[0, 0.0, 0]] * 9 + [[4, 3.8, 3]]
     on = EngineStats(adaptive_steps=2, adaptive_admitted_tokens=5, adaptive_capacity_histogram=[1, 2, 0],
-                     adaptive_calibration=tenths)
+                     adaptive_calibration=tenths, adaptive_drafting_steps=1, adaptive_probes=1)
     calibration = on.as_dict()["adaptive"].pop("calibration")
     assert on.as_dict()["adaptive"] | {"calibration": None} == {
         "num_steps": 2, "budget_total": 0, "drafted_total": 0, "admitted_total": 5, "mean_admitted_per_step": 2.5,
-        "capacity_histogram": [1, 2, 0], "calibration": None}
+        "drafting_steps": 1, "probes": 1, "capacity_histogram": [1, 2, 0], "calibration": None}
     assert calibration[0] == {"confidence": "0.0-0.1", "drafts": 0, "predicted": None, "accepted": None}
     assert calibration[9] == {"confidence": "0.9-1.0", "drafts": 4, "predicted": 0.95, "accepted": 0.75}
     # The snapshot crosses the process boundary whole.

@@ -297,9 +297,9 @@ class AdaptiveController:
         tokens of the context, and a token plain decoding writes equals the draft exactly as
         often as verification would have accepted it (greedy: the argmax; sampled: with chance
         p(draft) either way), so each written token is an outcome, free. Without it a refused
-        request learnt only from probes: on a copying prompt after open chat, prompt lookup ran at
-        1.00x plain where it had run at 1.63x. Only the first positions the request has written
-        are checked; a match renews the request's estimate."""
+        request learnt only from probes, and a copying prompt after open chat took dozens of
+        tokens to be drafted for. Only the first positions the request has written are checked;
+        a match renews the request's estimate."""
         history = self._history.get(req.request_id)
         if history is None or history.shadow is None:
             return

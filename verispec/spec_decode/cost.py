@@ -36,7 +36,7 @@ class CostModel:
     block forward took 3.1 ms of a 14 ms step on one CPU thread, and a drafter accepting 0.3
     tokens a step made the engine 0.6x plain while its verify rows alone looked worth it. Each
     measured step's drafting time is taken out of its excess and averaged in `drafting` (over
-    the steps that drafted); `best_prefix` charges it to every budget but none.
+    the steps that drafted); `best_prefix` charges it to each request's first slot.
 
     The profile is only where the model starts. A step's own cost is learnt from the steps
     themselves, keyed by what shapes it: `base` (its non-draft tokens) and B (its draft rows),
