@@ -13,6 +13,8 @@ import torch
 
 # How far one measured step moves the cost model's overhead toward the step's excess over its table.
 COST_LEARNING_RATE = 0.2
+# A draft rows' extra is learnt only within this many steps of a measure of its base.
+RECENT_BASE = 16
 # The profile also times n + 1 rows for every power of two n in this range (CostModel.profile):
 # where a step's decode rows fill whole tiles, the first draft rows open a new one.
 TILE_EDGE_MIN, TILE_EDGE_MAX = 4, 64
@@ -63,6 +65,8 @@ class CostModel:
     _bases: dict[int, list] = field(default_factory=dict, init=False, repr=False, compare=False)
     _extras: dict[tuple[int, int], list] = field(default_factory=dict, init=False, repr=False, compare=False)
     _drafters: dict[int, list] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _base_seen: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _steps: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.seconds) or not self.tokens:
@@ -145,8 +149,12 @@ class CostModel:
             if num_drafting:
                 _learn(self._drafters, num_drafting, drafting)
         base = num_tokens - num_drafts
+        self._steps += 1
         if num_drafts and base >= 1:
-            if base in self._bases:  # an extra is measured against a measured base only
+            # An extra is measured against a base measured lately: a step's cost grows with its
+            # contexts, and in a long drafting streak (copying) an old base made every draft row
+            # look dear.
+            if base in self._bases and self._steps - self._base_seen.get(base, -RECENT_BASE) < RECENT_BASE:
                 estimate = float(self.step_costs(base, [num_drafts])[0])
                 extra = min(seconds, 2 * estimate) - self._bases[base][0]
                 profiled = self.table(num_tokens) - self.table(base)
@@ -156,6 +164,7 @@ class CostModel:
                 _learn(self._extras, (base, num_drafts), extra)
         elif not num_drafts:
             _learn(self._bases, base, min(seconds, 2 * self.base_cost(base)))
+            self._base_seen[base] = self._steps
         # A step over twice its table's cost is an outlier (a graph compiled for a new shape, a
         # collection, a neighbour's burst): counted at that bound, or one such step of a second
         # priced the next ten steps' draft rows as nearly free (the overhead dwarfing them).
