@@ -99,3 +99,21 @@ def test_the_drafting_is_learnt_apart_from_the_overhead_and_charged_to_every_bud
     given = CostModel([1, 2, 8], [0.010, 0.0101, 0.0106])
     given.observe(2, 0.02, drafting=0.004)  # a table the user gives is kept as given
     assert given.drafting == 0 and best_prefix([0.3], 1, 1, given) == 1
+
+
+def test_draft_rows_are_priced_against_a_base_measured_lately():
+    """A step's cost grows with its contexts: an extra is learnt only within RECENT_BASE steps of a
+    measure of its base, so a long drafting streak does not price rows by an old, cheaper base."""
+    from verispec.spec_decode.cost import RECENT_BASE
+
+    learnt = CostModel([1, 2, 8], [0.010, 0.012, 0.024], learn=True)
+    learnt.observe(1, 0.010)  # a one-token step, no drafts
+    learnt.observe(3, 0.015, num_drafts=2)  # soon after: 5 ms for two rows
+    assert float(learnt.step_costs(1, [2])[0]) == pytest.approx(0.015)
+    for _ in range(3 * RECENT_BASE):
+        learnt.observe(3, 0.030, num_drafts=2)  # longer contexts, drafting all along
+    # Only the drafting steps within RECENT_BASE steps of the base taught the extra.
+    assert learnt._extras[(1, 2)][1] == RECENT_BASE - 1
+    learnt.observe(1, 0.025)  # the base again, at the long context
+    learnt.observe(3, 0.030, num_drafts=2)
+    assert learnt._extras[(1, 2)][1] == RECENT_BASE  # learnt again against it
