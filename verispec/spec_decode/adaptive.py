@@ -71,11 +71,19 @@ REWEIGH_EVERY = 8
 # Left edges of the q-peak buckets of the calibration table.
 Q_BUCKET_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
 _EDGES = np.asarray(Q_BUCKET_EDGES)  # numpy converts a tuple on every call
+_MIDDLES = [(lo + hi) / 2 for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:] + (1.0,))]
 
 
 def q_bucket(q: float) -> int:
     """The calibration bucket of a q peak."""
     return int(np.searchsorted(_EDGES, q, side="right")) - 1
+
+
+def _learn(values: list[float], counts: list[int], i: int, outcome: float) -> None:
+    """values[i] toward one more outcome: averaged with its prior, counted as PRIOR_WEIGHT
+    outcomes, while young; then an EMA at GLOBAL_EMA."""
+    counts[i] += 1
+    values[i] += max(GLOBAL_EMA, 1.0 / (counts[i] + PRIOR_WEIGHT)) * (outcome - values[i])
 
 
 @dataclass(slots=True)
@@ -137,7 +145,7 @@ class AdaptiveController:
         self.global_counts = [0] * k
         # q peak -> acceptance rate, one table for greedy requests and one for random ones, and
         # how many outcomes each bucket has seen.
-        start = ([(lo + hi) / 2 for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:] + (1.0,))] if calibrated
+        start = (_MIDDLES if calibrated
                  else [PRIOR_CONFIDENCE] * len(Q_BUCKET_EDGES))
         self.calibration = [list(start) for _ in range(2)]
         self.calibration_counts = [[0] * len(Q_BUCKET_EDGES) for _ in range(2)]
@@ -146,7 +154,7 @@ class AdaptiveController:
         # A model drafter's host estimate is its previous step's survivals: by the bucket of its
         # first slot's, how often the next verified first draft landed (a prior of PRIOR_WEIGHT
         # outcomes at the bucket's middle, then an EMA, as the calibration).
-        self.persistence = [(lo + hi) / 2 for lo, hi in zip(Q_BUCKET_EDGES, Q_BUCKET_EDGES[1:] + (1.0,))]
+        self.persistence = list(_MIDDLES)
         self.persistence_counts = [0] * len(Q_BUCKET_EDGES)
         self.probe_credit = ProbeCredit()
         self._since_draft = 0  # steps since the drafter last proposed
@@ -326,10 +334,7 @@ class AdaptiveController:
         history = self.history(req.request_id)
         history.renewed = True
         if not self.exact_host_scores and history.survival and capacity:
-            b = q_bucket(history.survival[0])
-            self.persistence_counts[b] += 1
-            step = max(GLOBAL_EMA, 1.0 / (self.persistence_counts[b] + PRIOR_WEIGHT))
-            self.persistence[b] += step * (float(num_accepted > 0) - self.persistence[b])
+            _learn(self.persistence, self.persistence_counts, q_bucket(history.survival[0]), float(num_accepted > 0))
         conf = history.confidence
         table = self.calibration[0 if req.params.greedy else 1]
         counts = self.calibration_counts[0 if req.params.greedy else 1]
@@ -339,15 +344,11 @@ class AdaptiveController:
             # Young, the prior counts as PRIOR_WEIGHT outcomes: a new request starts from it, and
             # from 0.8 a slot every new DSpark request of the first dozen verified 3-5 drafts of
             # open chat on its first step, and landed none.
-            self.global_counts[j] += 1
-            step = max(GLOBAL_EMA, 1.0 / (self.global_counts[j] + PRIOR_WEIGHT))
-            self.global_confidence[j] += step * (outcome - self.global_confidence[j])
+            _learn(self.global_confidence, self.global_counts, j, outcome)
             if q is not None:
                 tenth = self.stats.calibration[min(9, int(q[j] * 10))]
                 tenth[0], tenth[1], tenth[2] = tenth[0] + 1, tenth[1] + q[j], tenth[2] + outcome
-                b = q_bucket(q[j])
-                counts[b] += 1
-                table[b] += max(GLOBAL_EMA, 1.0 / (counts[b] + PRIOR_WEIGHT)) * (outcome - table[b])
+                _learn(table, counts, q_bucket(q[j]), outcome)
         if 0 < capacity == num_accepted and capacity < len(conf):
             # Everything verified was accepted, and the next position was not tried: move its
             # estimate toward the last one's, or a request capped early would never try more.

@@ -154,7 +154,7 @@ class CostModel:
             # An extra is measured against a base measured lately: a step's cost grows with its
             # contexts, and in a long drafting streak (copying) an old base made every draft row
             # look dear.
-            if base in self._bases and self._steps - self._base_seen.get(base, -RECENT_BASE) < RECENT_BASE:
+            if self._steps - self._base_seen.get(base, -RECENT_BASE) < RECENT_BASE:  # never seen: -RECENT_BASE
                 estimate = float(self.step_costs(base, [num_drafts])[0])
                 extra = min(seconds, 2 * estimate) - self._bases[base][0]
                 profiled = self.table(num_tokens) - self.table(base)
