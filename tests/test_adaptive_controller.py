@@ -153,7 +153,7 @@ def test_a_refused_prompt_lookup_draft_is_checked_against_what_the_request_wrote
     e = SimpleNamespace(request=req, drafts=Drafts((8, 9, 10)), samples=True, num_new_tokens=1)
     history = ctl.history("r")
     before = history.confidence[0]
-    assert ctl.plan([e], [e.drafts])[0] == [0] and history.shadow == (3, (8, 9, 10))
+    assert ctl.plan([e], [e.drafts])[0] == [0] and history.shadow == (3, (8, 9, 10), None)
     ctl.check_shadow(req)  # nothing written yet
     assert history.shadow is not None and history.confidence[0] == before
     req.token_ids.append(8)  # the step wrote the draft's first token
@@ -166,3 +166,34 @@ def test_a_refused_prompt_lookup_draft_is_checked_against_what_the_request_wrote
     high = history.confidence[0]
     ctl.check_shadow(req)
     assert history.confidence[0] == pytest.approx(high - REQUEST_EMA * high) and not history.renewed
+
+
+def test_a_refused_one_hot_suffix_draft_teaches_the_calibration_and_a_drawn_one_is_not_kept():
+    """Suffix decoding's greedy drafts are one-hot: the token written equals the draft as often as
+    verification would accept it, so a refused draft's outcome moves the calibration of its
+    confidence's bucket. A draft drawn from q (a random request's) would be accepted with chance
+    sum min(p, q), not sum p q: it is never checked."""
+    from types import SimpleNamespace
+
+    from verispec.core.step_types import Drafts
+    from verispec.spec_decode.adaptive import q_bucket
+
+    ctl = AdaptiveController(4, CostModel([1, 8], [1.0, 8.0]), exact_host_scores=True)  # rows never pay
+
+    def suffix_entry(rid, greedy, q):
+        req = SimpleNamespace(request_id=rid, params=SimpleNamespace(greedy=greedy), group=rid, max_tokens=64,
+                              num_output_tokens=0, token_ids=[5, 6, 7], num_tokens=3)
+        drafts = Drafts((8, 9), q, (0.55, 0.99))
+        return SimpleNamespace(request=req, drafts=drafts, samples=True, num_new_tokens=1)
+
+    greedy, drawn = suffix_entry("g", True, None), suffix_entry("s", False, (([8], [1.0]), ([9], [1.0])))
+    counts, _ = ctl.plan([greedy, drawn], [greedy.drafts, drawn.drafts])
+    assert counts == [0, 0]
+    assert ctl.history("g").shadow == (3, (8, 9), (0.55, 0.99)) and ctl.history("s").shadow is None
+    table, per_position = [list(row) for row in ctl.calibration], list(ctl.history("g").confidence)
+    greedy.request.token_ids += [8, 9]  # both drafts would have landed
+    ctl.check_shadow(greedy.request)
+    first, second = q_bucket(0.55), q_bucket(0.99)
+    assert ctl.calibration[0][first] > table[0][first] and ctl.calibration[0][second] > table[0][second]
+    assert ctl.calibration[1] == table[1] and ctl.history("g").renewed
+    assert ctl.history("g").confidence == per_position  # suffix ranks by its calibrated confidences

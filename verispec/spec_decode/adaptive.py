@@ -94,9 +94,10 @@ class RequestHistory:
     survival: list[float] | None = None  # the survival of the drafts it verified last (model drafters)
     waited: int = 0  # planned steps since it last had a draft verified (drafting_gate.py)
     renewed: bool = False  # an outcome came in since it was last planned
-    # A refused host draft (prompt lookup): where it started and its tokens, checked against what
-    # the request then wrote (`AdaptiveController.check_shadow`).
-    shadow: tuple[int, tuple[int, ...]] | None = None
+    # A refused one-hot host draft (prompt lookup; suffix decoding's greedy drafts): where it
+    # started, its tokens and their confidences (suffix), checked against what the request then
+    # wrote (`AdaptiveController.check_shadow`).
+    shadow: tuple[int, tuple[int, ...], tuple[float, ...] | None] | None = None
 
 
 def survival_scores(plan: AdaptivePlan, reqs, num_drafts: list[int], confidence: list[torch.Tensor | None],
@@ -238,8 +239,8 @@ class AdaptiveController:
         for i, n, history in zip(drafting, kept, histories):
             counts[i] = n
             history.waited, history.renewed = 0 if n else history.waited + 1, False
-            if not n and self.exact_host_scores:
-                history.shadow = (scheduled[i].request.num_tokens, drafts[i].token_ids)
+            if not n and self.exact_host_scores and drafts[i].q is None:
+                history.shadow = (scheduled[i].request.num_tokens, drafts[i].token_ids, drafts[i].confidence)
         self.stats.num_steps += 1
         self.stats.budget_total += budget
         self.stats.drafted_total += keep
@@ -301,17 +302,20 @@ class AdaptiveController:
 
     # ------------------------------------------------------------------ after the step
     def check_shadow(self, req) -> None:
-        """A refused prompt-lookup draft against the tokens the request wrote since: drafts are
-        tokens of the context, and a token plain decoding writes equals the draft exactly as
-        often as verification would have accepted it (greedy: the argmax; sampled: with chance
-        p(draft) either way), so each written token is an outcome, free. Without it a refused
-        request learnt only from probes, and a copying prompt after open chat took dozens of
-        tokens to be drafted for. Only the first positions the request has written are checked;
-        a match renews the request's estimate."""
+        """A refused host draft against the tokens the request wrote since. Only one-hot drafts are
+        kept (prompt lookup's, suffix decoding's greedy ones; not a draft drawn from q): a token
+        plain decoding writes equals such a draft exactly as often as verification would have
+        accepted it (greedy: the argmax; sampled: with chance p(draft) either way), so each written
+        token is an outcome, free. Without it a refused request learnt only from probes: a copying
+        prompt after open chat took dozens of tokens to be drafted for, and suffix decoding in an
+        agent loop, its rows dear at four requests, refused drafts that landed 97 % of the time
+        (its calibration held at the prior). Only the first positions the request has written are
+        checked; a match renews the request's estimate: its per-position confidences (prompt
+        lookup) or the calibration of the drafts' confidences (suffix decoding)."""
         history = self._history.get(req.request_id)
         if history is None or history.shadow is None:
             return
-        start, tokens = history.shadow
+        start, tokens, confidence = history.shadow
         written = req.token_ids[start : start + len(tokens)]
         if not written:
             return
@@ -320,8 +324,13 @@ class AdaptiveController:
         while matched < len(written) and written[matched] == tokens[matched]:
             matched += 1
         conf = history.confidence
+        mode = 0 if req.params.greedy else 1
         for j in range(min(matched + 1, len(written))):
-            conf[j] += REQUEST_EMA * (float(j < matched) - conf[j])
+            if confidence is None:
+                conf[j] += REQUEST_EMA * (float(j < matched) - conf[j])
+            else:
+                _learn(self.calibration[mode], self.calibration_counts[mode], q_bucket(confidence[j]),
+                       float(j < matched))
         history.renewed = history.renewed or matched > 0
 
     def observe(self, req, capacity: int, num_accepted: int, q: list[float] | None) -> None:
