@@ -293,6 +293,7 @@ def test_an_engine_answers_at_once_while_a_first_build_runs_in_the_background(mo
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", fake)
     monkeypatch.setenv("VERISPEC_COMPILE", "1")
+    monkeypatch.setenv("VERISPEC_ADAPTIVE_THREADS", "0")  # the build's share alone, whatever else runs
     cpu_kernels.kernel_build.cache_clear()
     threads = torch.get_num_threads()
     greedy = SamplingParams(temperature=0, max_tokens=4)

@@ -129,7 +129,7 @@ def test_stats_sum_counters_over_all_and_gauges_over_live():
 def test_replica_config_shares_the_cpus_and_splits_seeds(monkeypatch):
     import verispec.engine.dp_client as dp
 
-    monkeypatch.setattr(dp, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(dp, "available_cores", lambda: 2)
     config = EngineConfig(seed=7)
     assert replica_config(config, 0, 1) is config  # one replica: the config as given
     configs = [replica_config(config, rank, 2) for rank in range(2)]

@@ -7,6 +7,7 @@ table). Each is read when asked for, so a test or a parent process may set it la
 | `VERISPEC_CPU_KERNELS` | `1` | `0`: verispec's CPU kernels are not built; attention runs on SDPA, packed matrices on torch's int4 kernel |
 | `VERISPEC_PACKED_KERNEL` | `1` | `0`: the fast tier's matrices run on torch's int4 kernel, not the packed one (comparisons) |
 | `VERISPEC_COMPILE` | `1` | `0`: `enforce_eager` defaults to true (no torch.compile); an engine's own setting still wins when true |
+| `VERISPEC_ADAPTIVE_THREADS` | `1` | `0`: an engine keeps its full thread count beside busy processes (verispec/cores.py) |
 | `VERISPEC_API_KEY` | unset | `verispec serve --api-key`'s default |
 | `VERISPEC_LLAMA_CPP` | unset | the benchmark's llama.cpp tools (their build's `bin/`; `python -m benchmarks.build_llama_cpp`) |
 """
@@ -20,6 +21,7 @@ CACHE = "VERISPEC_CACHE"
 CPU_KERNELS = "VERISPEC_CPU_KERNELS"
 PACKED_KERNEL = "VERISPEC_PACKED_KERNEL"
 COMPILE = "VERISPEC_COMPILE"
+ADAPTIVE_THREADS = "VERISPEC_ADAPTIVE_THREADS"
 API_KEY = "VERISPEC_API_KEY"
 LLAMA_CPP = "VERISPEC_LLAMA_CPP"
 
@@ -43,6 +45,10 @@ def packed_kernel_enabled() -> bool:
 
 def compile_enabled() -> bool:
     return _on(COMPILE)
+
+
+def adaptive_threads() -> bool:
+    return _on(ADAPTIVE_THREADS)
 
 
 def api_key() -> str | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.config import EngineConfig
+from verispec.cores import available_cores
 from verispec.distributed.comm import Rendezvous, TPGroup, WorkerDiedError
 from verispec.distributed.sharding import ShardContext, make_shard, shard_checkpoint
 from verispec.models.config import ModelConfig
@@ -111,12 +112,13 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def rank_threads(config: EngineConfig) -> int:
     """Threads per rank: --num-threads, else torch's own count under torchrun (which sets
-    OMP_NUM_THREADS per rank), else the ranks this engine starts share the machine's cores."""
+    OMP_NUM_THREADS per rank), else the ranks this engine starts share the cores this process
+    may use (its affinity and cgroup quota: cores.py), never more than torch's own count."""
     if config.num_threads:
         return config.num_threads
     if Rendezvous.from_env() is not None:
         return torch.get_num_threads()
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return max(1, min(torch.get_num_threads(), available_cores()) // config.tensor_parallel_size)
 
 
 def _died(dead: list[str]) -> str:

@@ -22,13 +22,13 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from verispec.config import EngineConfig
+from verispec.cores import available_cores
 from verispec.engine.core_client import AsyncEngineClient, EngineDeadError
 from verispec.engine.core_protocol import ControlReply, CoreReady, EngineStats, RequestDelta
 from verispec.core.kv_cache import chain_hash
@@ -51,11 +51,6 @@ def check_data_parallel_size(size: object) -> int:
     return size
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # the CPUs this process may use, not the machine's
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def replica_config(config: EngineConfig, dp_rank: int, dp_size: int) -> EngineConfig:
@@ -69,7 +64,7 @@ def replica_config(config: EngineConfig, dp_rank: int, dp_size: int) -> EngineCo
     """
     if dp_size == 1:
         return config
-    threads = config.num_threads if config.num_threads else max(1, _cpu_count() // dp_size)
+    threads = config.num_threads if config.num_threads else max(1, available_cores() // dp_size)
     seed = config.seed if dp_rank == 0 else (config.seed + dp_rank * 0x9E3779B97F4A7C15) % (1 << 63)
     return dataclasses.replace(config, num_threads=threads, seed=seed)
 

@@ -68,8 +68,7 @@ class LLMEngine:
         if config.device.type == "cpu":
             keep_freed_memory()
         self._threads_before = torch.get_num_threads()  # rank 0 shares the cores with its workers until shutdown
-        if config.num_threads or self.tp is not None:
-            torch.set_num_threads(rank_threads(config))
+        torch.set_num_threads(rank_threads(config))  # not more than the process's cores (cores.py)
         self.startup = StartupLog()
         # Start-up work that waits on subprocesses or files runs beside the checkpoint read: the
         # kernels' compiler (once per machine) and the tokenizer (read from the GGUF file once).
@@ -85,7 +84,7 @@ class LLMEngine:
             if kernels is not None:
                 with self.startup.phase("kernels"):  # what the build needs past the checkpoint read
                     kernels.result()
-                share_cores()  # while a first build runs beside: one thread fewer, here and at each step
+                share_cores(start=True)  # the cores left to this engine, here and at each step (cores.py)
             with self.startup.phase("model"):
                 if self.tp is not None:
                     self.tp.connect(model_cfg)

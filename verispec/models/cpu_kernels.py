@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from verispec import envs
+from verispec.cores import govern_threads
 from verispec.models.kernel_compiler import (BACKGROUND_BUILD_TIME, BuildFailed, build, build_in_background,
                                               build_levels, built, cxx_compiler, stem)
 
@@ -123,7 +124,6 @@ class _CoreShare:
 
     def __init__(self, wait_for_build: Callable[[], object]):
         self.ended = threading.Event()
-        self.full: dict[int, int] = {}  # thread -> its own thread count
         threading.Thread(target=lambda: (wait_for_build(), self.ended.set()), daemon=True,
                          name="verispec-kernel-build").start()
 
@@ -131,20 +131,15 @@ class _CoreShare:
 _share: _CoreShare | None = None
 
 
-def share_cores() -> None:
-    """Called on the thread that runs an engine's ops, as it starts and before each step: while a
-    background build runs, that thread's ops run on one thread fewer (at least one) and the build
-    on the core left (one source at a time); its own count once the build ends. On a 2-core VM an
-    engine's two threads beside one compiler started and answered 5-10x slower (each parallel
-    region waits for its descheduled thread), one thread beside it at about its quiet speed.
-    torch's thread count belongs to the thread that sets it, hence the per-thread record."""
+def share_cores(start: bool = False) -> None:
+    """Called on the thread that runs an engine's ops, as it starts (`start`) and before each step:
+    that thread's thread count for the next step (verispec/cores.py). While a background build
+    runs, one thread fewer (at least one), the build on the core left (one source at a time); the
+    full count once the build ends. On a 2-core VM an engine's two threads beside one compiler
+    started and answered 5-10x slower (each parallel region waits for its descheduled thread),
+    one thread beside it at about its quiet speed. Other busy processes take cores likewise."""
     share = _share
-    if share is None:
-        return
-    full = share.full.setdefault(threading.get_ident(), torch.get_num_threads())
-    want = full if share.ended.is_set() else max(1, full - 1)
-    if torch.get_num_threads() != want:
-        torch.set_num_threads(want)
+    govern_threads(build_running=share is not None and not share.ended.is_set(), start=start)
 
 
 def _forget() -> None:

@@ -67,7 +67,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """The step's results. Reads `sched` and never changes it: running it again (the engine's
         crash isolation does) computes the same step."""
-        share_cores()  # the cores back once a background kernel build has ended
+        if self.device.type == "cpu":
+            share_cores()  # the cores the machine leaves this step (cores.py)
         began = time.perf_counter()
         drafts = self.drafter.draft(self.draft_inputs, sched.scheduled) if self.drafter is not None else {}
         # On a CPU the drafting's whole cost; on CUDA only its launches (the work runs on with the step).
