@@ -1,6 +1,6 @@
 """The verispec-only scenarios that run after the systems' tables, each with its own measurement,
 report and check: prefix caching, structured output, tensor parallelism, the cost curve, weight
-updates, suffix decoding, DSpark drafting, real files, serving and start-up (the last three named only). One entry per scenario, so the runner loops instead of naming each."""
+updates, suffix decoding, DSpark drafting, a busy neighbour, real files, serving and start-up (the last three named only). One entry per scenario, so the runner loops instead of naming each."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Any, Callable
 from benchmarks.cost_curve import run_cost_curve, write_curve
 from benchmarks.dspark import run_dspark, write_dspark
 from benchmarks.formats import run_formats, write_formats
+from benchmarks.neighbour import run_neighbour, write_neighbour
 from benchmarks.options import BenchConfig
 from benchmarks.prefix import run_prefix, write_prefix
 from benchmarks.serving import run_serving, write_serving
 from benchmarks.scaling import run_scaling, write_scaling
 from benchmarks.scenarios import (
-    COST_SCENARIO, DSPARK_SCENARIO, FORMATS_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, SERVING_SCENARIO, STRUCTURED_SCENARIO,
+    COST_SCENARIO, DSPARK_SCENARIO, FORMATS_SCENARIO, NEIGHBOUR_SCENARIO, PREFIX_SCENARIO, SCALING_SCENARIO, SERVING_SCENARIO, STRUCTURED_SCENARIO,
     STARTUP_SCENARIO, SUFFIX_SCENARIO, WEIGHTS_SCENARIO,
 )
 from benchmarks.startup import run_startup, write_startup
@@ -71,6 +72,9 @@ EXTRAS: tuple[Extra, ...] = (
     Extra(DSPARK_SCENARIO, "DSpark drafting against plain, ngram and suffix on chat questions it never trained on "
           "(verispec, in process)", "DSpark drafting on chat, greedy and T=0.8, batch 1 and 16",
           lambda c, tok, log: run_dspark(c.quick, c.max_tokens, c.threads, log), write_dspark, _dspark_check),
+    Extra(NEIGHBOUR_SCENARIO, "decode beside a busy process of the same priority against the quiet machine "
+          "(fresh processes)", "decode beside a busy neighbour, 1 and 2 threads",
+          lambda c, tok, log: run_neighbour(c.quick, log), write_neighbour),
     Extra(FORMATS_SCENARIO, "real files: a 1B model in Q4_K_M, Q4_0 and Q8_0 against llama-bench (fresh processes)",
           "GGUF types on a 1B model against llama-bench",
           lambda c, tok, log: run_formats(c.quick, log), write_formats),

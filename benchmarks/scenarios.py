@@ -63,12 +63,14 @@ WEIGHTS_SCENARIO = "weights"
 SUFFIX_SCENARIO = "suffix"
 # DSpark drafting against plain, ngram and suffix on chat (verispec only): see benchmarks/dspark.py.
 DSPARK_SCENARIO = "dspark"
+# Decode beside a busy process against the quiet machine (verispec, llama-bench): see benchmarks/neighbour.py.
+NEIGHBOUR_SCENARIO = "neighbour"
 FORMATS_SCENARIO = "formats"  # named only: it writes a 1B model once (benchmarks/formats.py)
 SERVING_SCENARIO = "serving"  # named only: verispec serve against llama-server (benchmarks/serving.py)
 STARTUP_SCENARIO = "startup"  # named only: its cold row rebuilds the kernels (benchmarks/startup.py)
 NAMED_ONLY = (FORMATS_SCENARIO, SERVING_SCENARIO, STARTUP_SCENARIO)
 ALL_SCENARIOS = (*SCENARIOS, SPEC_SCENARIO, ADAPTIVE_SCENARIO, PREFIX_SCENARIO, STRUCTURED_SCENARIO, SCALING_SCENARIO,
-                 COST_SCENARIO, WEIGHTS_SCENARIO, SUFFIX_SCENARIO, DSPARK_SCENARIO)
+                 COST_SCENARIO, WEIGHTS_SCENARIO, SUFFIX_SCENARIO, DSPARK_SCENARIO, NEIGHBOUR_SCENARIO)
 
 
 def headlines() -> dict[str, str]:

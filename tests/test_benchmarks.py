@@ -35,7 +35,7 @@ def test_defaults_and_quick():
     full = resolve(bench_args())
     assert (full.max_tokens, full.runs, full.quick) == (128, 3, False)
     assert full.peers == ["hf", "llamacpp"]
-    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost", "weights", "suffix", "dspark"]
+    assert full.scenarios == ["single", "batch16", "batch16_logprobs", "extractive", "ttft", "spec", "adaptive", "prefix", "structured", "tp", "cost", "weights", "suffix", "dspark", "neighbour"]
     quick = resolve(bench_args("--quick", "--out", "x"))
     assert (quick.max_tokens, quick.runs, quick.out) == (32, 1, Path("x"))
 
