@@ -209,3 +209,39 @@ def test_invalid_adaptive_options_name_the_field(tiny_llama, bad, field):
         LLM(tiny_llama, speculative_config={"method": "ngram", **bad})
 
 
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_request_that_turns_to_repeating_text_drafts_again_within_32_tokens(method):
+    """The bundled model told to copy a list writes it in its own casing (drafts from the prompt
+    miss), then falls into repeating itself. Rows cost three tenths of a step, so drafts that
+    miss are refused; the refused drafts are checked against what the request writes (and
+    probed), so verification resumes within 32 tokens of the turn, where every draft lands."""
+    items = "apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum, melon, kiwi, lime, fig, date, guava"
+    cost = [[1, 0.010], [2, 0.013], [4, 0.019], [8, 0.031]]
+    llm = LLM(speculative_config={"method": method, "num_speculative_tokens": 5, "adaptive_verification": True,
+                                  "cost_table": cost})
+    verified: list[tuple[int, int, int]] = []  # (tokens written before the step, verified, accepted)
+    observe = llm.engine.drafts.observe
+
+    def recorded(entry, record):
+        verified.append((entry.request.num_output_tokens, record.num_verified, record.num_accepted))
+        observe(entry, record)
+
+    llm.engine.drafts.observe = recorded
+    msgs = [{"role": "user", "content": f"Introduce yourself in one sentence, then copy the following text exactly: {items}"}]
+    out = llm.chat([msgs], SamplingParams(temperature=0, max_tokens=120), use_tqdm=False)[0]
+    llm.shutdown()
+    ids, prompt = list(out.outputs[0].token_ids), list(out.prompt_token_ids)
+
+    def repeats(i: int, n: int = 8) -> bool:  # the next n tokens were written before, in the prompt or the answer
+        window, before = ids[i : i + n], prompt + ids[: i + n - 1]
+        return len(window) == n and any(before[j : j + n] == window for j in range(len(before) - n))
+
+    turn = next(i for i in range(len(ids)) if repeats(i))
+    assert turn >= 24  # an opening that copies nothing: the drafts there miss
+    assert sum(a for at, _, a in verified if at < turn - 12) <= 2 and sum(v for at, v, _ in verified if at < turn - 12) <= 6
+    landed = [at for at, _, a in verified if a and at >= turn]
+    assert landed and landed[0] <= turn + 32
+    after = [(v, a) for at, v, a in verified if at >= turn + 32]
+    assert sum(a for _, a in after) >= 0.9 * sum(v for v, _ in after) > 0  # and keeps drafting where they land
