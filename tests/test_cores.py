@@ -3,6 +3,7 @@ others' use of it, and the thread count that follows, down to an engine beside a
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -117,4 +118,25 @@ def test_an_engine_beside_a_busy_process_runs_on_the_core_it_leaves(monkeypatch,
         assert seen[-1] == 2  # given back
     finally:
         llm.shutdown()
+        torch.set_num_threads(threads)
+
+
+def test_a_new_engine_starts_from_the_full_count_not_a_lowered_one():
+    """An engine beside a neighbour lowered its thread's count; the next engine on that thread
+    (no num_threads given) sizes itself from the full count."""
+    from types import SimpleNamespace
+
+    from verispec.cores import full_threads, govern_threads
+    from verispec.distributed.executor import rank_threads
+
+    threads = torch.get_num_threads()
+    try:
+        govern_threads(start=True)
+        governor = cores._governors[threading.get_ident()]
+        governor.conceded = threads - 1  # as beside a neighbour
+        assert govern_threads() == 1 and torch.get_num_threads() == 1
+        assert full_threads() == threads
+        assert rank_threads(SimpleNamespace(num_threads=None, tensor_parallel_size=1)) == min(threads, available_cores())
+    finally:
+        cores._governors.pop(threading.get_ident(), None)
         torch.set_num_threads(threads)

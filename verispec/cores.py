@@ -159,11 +159,8 @@ def govern_threads(build_running: bool = False, start: bool = False) -> int:
     return want
 
 
-def release_threads() -> int | None:
-    """This thread's full count back, and its governor gone (an engine's shutdown); None if it had none."""
-    with _lock:
-        governor = _governors.pop(threading.get_ident(), None)
-    if governor is None:
-        return None
-    torch.set_num_threads(governor.full)
-    return governor.full
+def full_threads() -> int:
+    """This thread's full count: what it had before a governor lowered it, else torch's count. A
+    new engine on a thread an earlier one had lowered (beside a neighbour) starts from it."""
+    governor = _governors.get(threading.get_ident())
+    return governor.full if governor is not None else torch.get_num_threads()

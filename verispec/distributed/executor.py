@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from verispec.config import EngineConfig
-from verispec.cores import available_cores
+from verispec.cores import available_cores, full_threads
 from verispec.distributed.comm import Rendezvous, TPGroup, WorkerDiedError
 from verispec.distributed.sharding import ShardContext, make_shard, shard_checkpoint
 from verispec.models.config import ModelConfig
@@ -118,7 +118,7 @@ def rank_threads(config: EngineConfig) -> int:
         return config.num_threads
     if Rendezvous.from_env() is not None:
         return torch.get_num_threads()
-    return max(1, min(torch.get_num_threads(), available_cores()) // config.tensor_parallel_size)
+    return max(1, min(full_threads(), available_cores()) // config.tensor_parallel_size)
 
 
 def _died(dead: list[str]) -> str:
