@@ -26,8 +26,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from verispec import envs
 
 # How long a window the meter averages the others' use over: long enough for /proc/stat's 10 ms
@@ -146,6 +144,8 @@ def govern_threads(build_running: bool = False, start: bool = False) -> int:
     the thread has at an engine's start (else at its first call) is its full count: torch's thread
     count belongs to the thread that sets it. `envs.adaptive_threads()` off keeps the full count
     beside busy neighbours (a kernel build of verispec's own still takes a core)."""
+    import torch  # here: `verispec serve` sizes its replicas (available_cores) before torch loads
+
     ident = threading.get_ident()
     with _lock:
         governor = None if start else _governors.get(ident)
@@ -162,5 +162,7 @@ def govern_threads(build_running: bool = False, start: bool = False) -> int:
 def full_threads() -> int:
     """This thread's full count: what it had before a governor lowered it, else torch's count. A
     new engine on a thread an earlier one had lowered (beside a neighbour) starts from it."""
+    import torch
+
     governor = _governors.get(threading.get_ident())
     return governor.full if governor is not None else torch.get_num_threads()
