@@ -5,7 +5,7 @@ The bundled model's decode (128 tokens after an 8-token prompt, the fast tier; l
 tg128 on the same file), each figure from a fresh process (benchmarks/formats.py's child):
 - one thread and two threads on the quiet machine;
 - two threads beside the neighbour, as verispec runs by default (its threads follow the cores the
-  others leave: verispec/cores.py), and with that off (`VERISPEC_ADAPTIVE_THREADS=0`), where every
+  others leave: verispec/cores.py), and with that off (verispec/envs.py's adaptive threads at 0), where every
   parallel region waits for a thread the neighbour has descheduled.
 The ratio that matters: two threads beside the neighbour over one quiet thread (the issue's bar:
 0.9x). `python -m benchmarks --scenarios neighbour`.

@@ -43,12 +43,10 @@ def test_a_cpu_rank_stays_on_the_cpu():
 def test_threads_per_rank(no_torchrun, monkeypatch):
     assert rank_threads(SimpleNamespace(num_threads=3, tensor_parallel_size=2)) == 3  # asked for
     monkeypatch.setattr("verispec.distributed.executor.available_cores", lambda: 16)  # affinity and quota
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    monkeypatch.setattr("verispec.distributed.executor.full_threads", lambda: 16)  # the thread's own count
     assert rank_threads(SimpleNamespace(num_threads=None, tensor_parallel_size=4)) == 4  # the cores, shared
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)  # OMP_NUM_THREADS=8
+    monkeypatch.setattr("verispec.distributed.executor.full_threads", lambda: 8)  # OMP_NUM_THREADS=8
     assert rank_threads(SimpleNamespace(num_threads=None, tensor_parallel_size=4)) == 2
-    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     assert rank_threads(SimpleNamespace(num_threads=None, tensor_parallel_size=32)) == 1
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -110,8 +110,8 @@ def test_models_and_spec_decode_import_nothing_from_the_engine():
 
 # verispec's layers, bottom up: each imports only from its own layer and those below.
 LAYERS = [
-    {"verispec.envs", "verispec.host_memory", "verispec.outputs", "verispec.tokenization", "verispec.device_copy",
-     "verispec.config", "verispec.sampling_params"},
+    {"verispec.envs", "verispec.host_memory", "verispec.cores", "verispec.outputs", "verispec.tokenization",
+     "verispec.device_copy", "verispec.config", "verispec.sampling_params"},
     {"verispec.models"},
     {"verispec.distributed", "verispec.sample"},
     {"verispec.core"},  # the scheduler's world; its draft policy comes in through a protocol
