@@ -134,6 +134,21 @@ def kernels_built_before_any_engine() -> None:
     kernel_build(wait=True)
 
 
+@pytest.fixture(autouse=True)
+def thread_count_restored():
+    """Each test starts from the thread count the one before it started from: an engine's thread
+    governor (verispec/cores.py) may leave its thread's count lowered after a step beside other
+    work, until that engine's next step, and tests run in a random order."""
+    import torch
+
+    from verispec import cores
+
+    before = torch.get_num_threads()
+    yield
+    cores._governors.clear()
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def cpu_kernels_loaded() -> None:
     """verispec's CPU kernels built and loaded; a failed build fails the test with its reason."""
