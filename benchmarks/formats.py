@@ -85,11 +85,12 @@ def _verispec(path: Path, threads: int) -> dict[str, float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _llama_bench(path: Path, threads: int) -> tuple[float | None, float | None]:
+def llama_bench(path: Path, threads: int, prompt: int = PROMPT) -> tuple[float | None, float | None]:
+    """llama-bench's tg (DECODE tokens) and pp (`prompt` tokens; 0: not run) tokens/s on `path`."""
     bench = llama_cpp_tool("llama-bench")
     if bench is None:
         return None, None
-    res = subprocess.run([str(bench), "-m", str(path), "-t", str(threads), "-p", str(PROMPT), "-n", str(DECODE),
+    res = subprocess.run([str(bench), "-m", str(path), "-t", str(threads), "-p", str(prompt), "-n", str(DECODE),
                           "-r", "2", "-o", "json"], capture_output=True, text=True, check=True)
     rows = json.loads(res.stdout)
     speed = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
@@ -108,7 +109,7 @@ def run_formats(quick: bool, log: Callable[[str], None]) -> list[FormatRow]:
         for threads in THREADS[:1] if quick else THREADS:
             log(f"formats: {scheme} at {threads} thread(s)")
             row = FormatRow(scheme, threads, path.stat().st_size / 2**20, **_verispec(path, threads))
-            row.llama_decode, row.llama_prefill = _llama_bench(path, threads)
+            row.llama_decode, row.llama_prefill = llama_bench(path, threads)
             rows.append(row)
     return rows
 

@@ -22,12 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from benchmarks.formats import llama_bench
 from benchmarks.model_1b import llama_cpp_tool
 from benchmarks.report import write_section
 from verispec import envs
-
-DECODE = 128
-
 
 @dataclass(slots=True)
 class NeighbourRow:
@@ -56,15 +54,6 @@ def _verispec(path: str, threads: int, adaptive: bool) -> float:
     return json.loads(out.strip().splitlines()[-1])["decode"]
 
 
-def _llama_bench(path: str, threads: int) -> float | None:
-    bench = llama_cpp_tool("llama-bench")
-    if bench is None:
-        return None
-    res = subprocess.run([str(bench), "-m", path, "-t", str(threads), "-p", "0", "-n", str(DECODE), "-r", "2",
-                          "-o", "json"], capture_output=True, text=True, check=True)
-    return json.loads(res.stdout)[0]["avg_ts"]
-
-
 def run_neighbour(quick: bool, log: Callable[[str], None]) -> list[NeighbourRow]:
     from verispec.models.default import default_model_path
 
@@ -81,7 +70,7 @@ def run_neighbour(quick: bool, log: Callable[[str], None]) -> list[NeighbourRow]
     elif not quick:
         for threads, neighbour in ((1, False), (2, False), (2, True)):
             with busy_neighbour(neighbour):
-                rows.append(NeighbourRow("llama-bench", threads, neighbour, _llama_bench(path, threads) or 0.0))
+                rows.append(NeighbourRow("llama-bench", threads, neighbour, llama_bench(path, threads, prompt=0)[0] or 0.0))
     return rows
 
 
