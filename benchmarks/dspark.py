@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.prompts import QUESTIONS, chat_prompts, extractive_prompt
-from benchmarks.report import write_section
+from benchmarks.report import drafting_steps, write_section
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
@@ -81,10 +81,7 @@ def _run(llm, prompts: list[list[int]], params, row: DSparkRow, ignore_eos: bool
     row.drafts += after["num_drafts"] - before["num_drafts"]
     row.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
     row.steps += after["num_steps"] - before["num_steps"]
-    if "adaptive" in after:
-        row.drafting_steps += after["adaptive"]["drafting_steps"] - before["adaptive"]["drafting_steps"]
-    elif after["num_drafts"] > before["num_drafts"]:  # without adaptive verification every step drafts
-        row.drafting_steps += after["num_steps"] - before["num_steps"]
+    row.drafting_steps += drafting_steps(before, after)
     gained = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
     row.per_position = [a + b for a, b in zip(gained, row.per_position or [0] * len(gained))]
 

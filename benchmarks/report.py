@@ -246,3 +246,13 @@ def self_seconds() -> float:
     """CPU seconds this process has used so far."""
     t = os.times()
     return t.user + t.system
+
+
+def drafting_steps(before: dict[str, Any], after: dict[str, Any]) -> int:
+    """Steps between two `LLM.stats()` that ran a draft through the forward: adaptive verification
+    counts them; without it every step of an engine that drafted at all did."""
+    if "adaptive" in after:
+        return after["adaptive"]["drafting_steps"] - before["adaptive"]["drafting_steps"]
+    if after.get("num_drafts", 0) > before.get("num_drafts", 0):
+        return after["num_steps"] - before["num_steps"]
+    return 0

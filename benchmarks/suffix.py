@@ -6,8 +6,9 @@ suffix decoding (vLLM's defaults) and with suffix decoding plus adaptive verific
 and the fast tier. Every timed run gets a fresh engine, so the suffix trees start empty: what they
 learn comes from the run itself (earlier sessions and turns, siblings), never from an earlier run of
 the same prompts. Reported per row: tok/s (median run), the mean acceptance length (tokens a
-verify step emits per drafted request), the drafter's host time as a share of the wall time, and
-whether greedy output equals the plain row's.
+verify step emits per drafted request), the share of steps that ran a draft through the forward,
+the drafter's host time as a share of the wall time, and whether greedy output equals the plain
+row's. The variants take turns within each round (interleaved); `--threads` sets the thread count.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import write_section
+from benchmarks.report import drafting_steps, write_section
 from benchmarks.workloads import agent_sessions, code_edit_messages, rl_messages, sampling
 
 TIERS = {"exact": {"dtype": "float32"}, "fast": {"dtype": "auto"}}
@@ -43,6 +44,7 @@ class SuffixRow:
     drafts: int = 0  # verify steps of drafted requests, over the timed runs
     accepted: int = 0
     steps: int = 0
+    drafting_steps: int = 0  # steps that ran a draft through the forward
     drafter_s: float = 0.0  # host time in the drafter's propose, over the timed runs
     identical: str = "reference"  # greedy output against the tier's plain row; "sampled" for rl
     memory_bytes: int = 0  # suffix trees at the end of the last run
@@ -55,6 +57,10 @@ class SuffixRow:
     @property
     def acceptance_length(self) -> float:
         return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
+
+    @property
+    def drafted_share(self) -> float:
+        return self.drafting_steps / self.steps if self.steps else 0.0
 
     @property
     def drafter_share(self) -> float:
@@ -111,6 +117,7 @@ def _measure(llm, rows: dict[str, SuffixRow], quick: bool, max_tokens: int, curr
         row.drafts += after.get("num_drafts", 0) - before.get("num_drafts", 0)
         row.accepted += after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
         row.steps += after.get("num_steps", 0) - before.get("num_steps", 0)
+        row.drafting_steps += drafting_steps(before, after)
         outputs[workload] = ids
     return outputs
 
@@ -152,7 +159,7 @@ def run_suffix(quick: bool, max_tokens: int, runs: int, log: Callable[[str], Non
                     row.identical = "sampled" if w == "rl" else (
                         "yes" if outputs[variant][w] == outputs["plain"][w] else "NO")
                 log(f"  {tier} {w} {variant}: {row.tok_s:.1f} tok/s, acceptance {row.acceptance_length:.2f}, "
-                    f"drafter {row.drafter_share:.1%}")
+                    f"drafter {row.drafter_share:.1%}, drafted on {row.drafted_share:.0%} of steps")
             rows.extend(by_workload.values())
     return rows
 
@@ -195,15 +202,15 @@ def targets(rows: list[SuffixRow]) -> list[SuffixTarget]:
 
 
 def format_suffix(rows: list[SuffixRow]) -> str:
-    lines = ["| tier | workload | variant | tok/s | vs plain | acceptance length | drafter host | greedy = plain |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| tier | workload | variant | tok/s | vs plain | acceptance length | steps drafted | drafter host | "
+             "greedy = plain |", "|---|---|---|---|---|---|---|---|---|"]
     plain = {(r.tier, r.workload): r.tok_s for r in rows if r.variant == "plain"}
     for r in rows:
         base = plain.get((r.tier, r.workload)) or 0.0
         vs = f"{r.tok_s / base:.2f}x" if base else "n/a"
         host = f"{r.drafter_share:.1%}" if r.variant != "plain" else "-"
         lines.append(f"| {r.tier} | {r.workload} | {r.variant} | {r.tok_s:.1f} | {vs} | {r.acceptance_length:.2f} | "
-                     f"{host} | {r.identical} |")
+                     f"{r.drafted_share:.0%} | {host} | {r.identical} |")
     lines += ["", "| target | ratio | bound | met |", "|---|---|---|---|"]
     for t in targets(rows):
         bound = f"<= {t.bound:.0%}" if t.at_most else f">= {t.bound}x"
@@ -244,6 +251,6 @@ def plot_suffix(path: Path, rows: list[SuffixRow]) -> None:
 def write_suffix(out: Path, machine: dict[str, Any], rows: list[SuffixRow]) -> str:
     plot_suffix(out / "suffix.png", rows)
     doc = {"machine": machine, "rows": [{**asdict(r), "tok_s": r.tok_s, "acceptance_length": r.acceptance_length,
-                                         "drafter_share": r.drafter_share} for r in rows],
+                                         "drafter_share": r.drafter_share, "drafted_share": r.drafted_share} for r in rows],
            "targets": [{**asdict(t), "met": t.met} for t in targets(rows)]}
     return write_section(out, "suffix", format_suffix(rows), doc)

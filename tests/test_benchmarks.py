@@ -342,13 +342,24 @@ def test_suffix_targets_read_the_rows_ratios():
         for w in ("agent", "code_edit", "rl"):
             for variant, tok_s in (("plain", 10.0), ("ngram", 12.0), ("suffix", 24.0), ("suffix+adaptive", 9.0)):
                 rows.append(SuffixRow(tier, w, variant, tokens=[int(tok_s * 10)], seconds=[10.0], drafts=4, accepted=8,
+                                      steps=20, drafting_steps=0 if variant == "plain" else 5,
                                       drafter_s=0.2 if variant.startswith("suffix") else 0.0))
     found = {t.name: t for t in targets(rows)}
     assert found["exact agent: suffix / ngram"].ratio == 2.0 and found["exact agent: suffix / ngram"].met
     assert not found["fast rl: suffix+adaptive / plain"].met  # 0.9x < 0.97x
     assert found["exact rl suffix: drafter host time / wall (batch 16)"].ratio == pytest.approx(0.02)
     table = format_suffix(rows)
-    assert "| exact | agent | suffix | 24.0 | 2.40x | 3.00 |" in table and "NO" in table
+    assert "| exact | agent | suffix | 24.0 | 2.40x | 3.00 | 25% |" in table and "NO" in table
+
+
+def test_drafting_steps_count_adaptive_ones_else_every_step_of_a_drafting_engine():
+    from benchmarks.report import drafting_steps
+
+    before = {"num_steps": 10, "num_drafts": 4, "adaptive": {"drafting_steps": 2}}
+    after = {"num_steps": 30, "num_drafts": 9, "adaptive": {"drafting_steps": 5}}
+    assert drafting_steps(before, after) == 3
+    assert drafting_steps({"num_steps": 10, "num_drafts": 4}, {"num_steps": 30, "num_drafts": 9}) == 20
+    assert drafting_steps({"num_steps": 10}, {"num_steps": 30}) == 0  # plain
 
 
 def test_dspark_table_and_targets_read_the_rows():

@@ -200,7 +200,8 @@ def test_workers_share_the_graphs_and_together_save_the_whole_set(tmp_path, monk
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     gemma3 = make_tiny_checkpoint(tmp_path / "gemma3", "gemma3")  # a sliding layer, then a global one
     model = LLM(gemma3, quantization="int4", enforce_eager=True).engine.model
-    model.capture_layers = (0,)  # a cut after the sliding layer: two pieces, two graphs
+    real_plan = compile_mod.plan_pieces  # a piece per layer: two pieces, two graphs
+    monkeypatch.setattr(compile_mod, "plan_pieces", lambda layers, every=False: real_plan(layers, every, per_graph=1))
     graphs = compile_mod.LayerGraphs(model, 16)
     save = tmp_path / "graphs"
     save.mkdir()

@@ -41,7 +41,10 @@ def recorded_drafts(monkeypatch, llm_kwargs: dict, prompts, params) -> list[tupl
 
     monkeypatch.setattr(DSparkDrafter, "draft", draft)
     llm = LLM(**llm_kwargs)
-    llm.engine.wait_for_compiled_step()  # where it compiles: the graph's captured layers, from the first step
+    if not llm_kwargs.get("enforce_eager"):  # the graphs return the layers the drafter reads, from the first step
+        assert llm.engine.wait_for_compiled_step(), llm.engine.model.compiled.error
+        # every piece compiled: one whose graph differed from eager would run eager, unseen by the drafts
+        assert all(graph is not None for _, _, graph in llm.engine.model.compiled._pieces)
     llm.generate(prompts, params, use_tqdm=False)
     return seen
 

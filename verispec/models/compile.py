@@ -114,7 +114,7 @@ class LayerGraphs:
         it, `start` compiles in its own thread."""
         self.model, self.block_size, self.max_tokens, self.source = model, block_size, max_tokens, source
         self._pieces: list[tuple[int, tuple, LayerGraph]] | None = None  # once every graph is built
-        self._cuts: tuple[int, ...] = ()
+        self._every = False  # the graphs return every layer's output (a drafter reads some)
         self._done = threading.Event()
         self._started = time.perf_counter()
         self._stop = False
@@ -129,13 +129,18 @@ class LayerGraphs:
     def ready(self) -> bool:
         return self._pieces is not None
 
+    @property
+    def every(self) -> bool:
+        """Whether the graphs return every layer's output: a drafter reads some (`capture_layers`)."""
+        return bool(self.model.capture_layers)
+
     def for_step(self, input_ids: torch.Tensor) -> list[tuple[int, tuple, LayerGraph]] | None:
         """Decode and verify steps, once the graphs are ready; a prefill chunk's matmuls dwarf its
         per-op overhead: eager. The graphs are built for inference tensors (the engine's) and for
-        the layers a drafter reads as they were then."""
+        whether a drafter reads layers' outputs as it was then."""
         pieces = self._pieces
         if (pieces is None or input_ids.shape[0] > self.max_tokens or not input_ids.is_inference()
-                or self.model.capture_layers != self._cuts):
+                or bool(self.model.capture_layers) != self._every):
             return None
         if not self._announced:  # the first step that runs compiled: between two steps, never inside one
             self._announced = True
@@ -146,16 +151,16 @@ class LayerGraphs:
     def build(self, save: Path | None = None) -> None:
         """Compiles every piece's graph in this thread (Dynamo and Inductor), checks each against
         eager, and switches to them; `save`: a directory to write the graphs to. Raises if one fails."""
-        self._switch(lambda i, layers: compile_piece(layers, self.model, self.block_size), save)
+        self._switch(lambda i, layers: compile_piece(layers, self.model, self.block_size, self.every), save)
 
     def build_share(self, save: Path, share: int, shares: int) -> None:
         """A compile worker's part: graphs `share`, `share + shares`, ... of the plan (numbered as
         `_switch` numbers them), compiled, checked against eager and saved; no switch."""
         layers = list(self.model.layers)
         with torch.inference_mode():
-            for i, first, end, _ in _graph_pieces(plan_pieces(layers, set(self.model.capture_layers))):
+            for i, first, end, _ in _graph_pieces(plan_pieces(layers, self.every)):
                 if i % shares == share:
-                    self._checked(lambda _, piece: compile_piece(piece, self.model, self.block_size), i,
+                    self._checked(lambda _, piece: compile_piece(piece, self.model, self.block_size, self.every), i,
                                   tuple(layers[first:end]), save)
 
     def load(self, directory: Path) -> None:
@@ -166,8 +171,8 @@ class LayerGraphs:
     def _switch(self, make, save: Path | None = None) -> None:
         inductor_cache_dir()
         start = time.perf_counter()
-        layers, cuts = list(self.model.layers), tuple(self.model.capture_layers)
-        plan = plan_pieces(layers, set(cuts))
+        layers, every = list(self.model.layers), self.every
+        plan = plan_pieces(layers, every)
         graphs: dict[tuple, LayerGraph] = {}
         try:
             with torch.inference_mode():
@@ -175,7 +180,7 @@ class LayerGraphs:
                     if self._stop:
                         return
                     graphs[key] = self._checked(make, i, tuple(layers[first:end]), save)
-            self.seconds, self.num_graphs, self._cuts = time.perf_counter() - start, len(graphs), cuts
+            self.seconds, self.num_graphs, self._every = time.perf_counter() - start, len(graphs), every
             # One assignment: the engine's next step runs compiled.
             self._pieces = [(first, tuple(layers[first:end]), graphs[key]) for first, end, key in plan]
         finally:
@@ -187,7 +192,7 @@ class LayerGraphs:
         graph = make(i, piece)
         if graph is not None:
             try:
-                check_piece(graph, piece, self.model, self.block_size)
+                check_piece(graph, piece, self.model, self.block_size, self.every)
             except RuntimeError as exc:
                 logger.info("layers %d-%d run eager: %s", piece[0].index, piece[-1].index, exc)
                 graph = None
@@ -226,7 +231,7 @@ class LayerGraphs:
     def _saved(self) -> Path:
         """Where the worker saves this model's graphs, keyed by the pieces' signatures, the
         options, torch's and Python's versions: a model with the same layer shapes finds them."""
-        plan = plan_pieces(list(self.model.layers), set(self.model.capture_layers))
+        plan = plan_pieces(list(self.model.layers), self.every)
         key = repr(([k for _, _, k in plan], sorted(inductor_options().items()), torch.__version__, sys.version,
                     self.max_tokens))
         return Path(inductor_cache_dir()) / "verispec-graphs" / hashlib.sha256(key.encode()).hexdigest()[:20]
@@ -270,7 +275,7 @@ class LayerGraphs:
         """One worker per graph up to the cores this process may use. One alone where each would
         hold its own copy of the weights (the exact tiers decode them: 4.8 GB of fp32 for a 1B
         model); the fast tier's packed layouts are mapped, shared between the processes."""
-        graphs = len({key for _, _, key in plan_pieces(list(self.model.layers), set(self.model.capture_layers))})
+        graphs = len({key for _, _, key in plan_pieces(list(self.model.layers), self.every)})
         shared = self.source is not None and self.source.quantization == "gguf" and self.source.dtype != "float32"
         return max(1, min(graphs, len(os.sched_getaffinity(0)))) if shared else 1
 

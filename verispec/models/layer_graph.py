@@ -71,6 +71,18 @@ def _layers_forward(layers, x, cos, sin):
     return x
 
 
+def _every_layer_forward(layers, x, cos, sin):
+    """Every layer's output, the piece's last: a drafter reads some of them (`LlamaModel.capture_layers`).
+    They are buffers of the graph anyway (each is the next layer's input), so returning them costs a
+    handle each, where cutting the pieces at the layers read cost graph calls (0.5 ms of a 16 ms
+    step, 8 pieces and 4 graphs against 5 and 1 for SmolLM2) and compiles."""
+    outs = []
+    for layer in layers:
+        x = layer.forward(x, cos, sin)
+        outs.append(x)
+    return tuple(outs)
+
+
 class LayerGraph:
     """Inductor's compiled C++ for one piece signature (the library its cpp_wrapper builds, with
     one entry taking the inputs as tensor handles), and the sources of its inputs, by which a
@@ -89,11 +101,12 @@ class LayerGraph:
         self._to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
         self._from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 
-    def __call__(self, layers: tuple, x, cos, sin):
+    def __call__(self, layers: tuple, x, cos, sin) -> list[torch.Tensor]:
+        """The graph's outputs: the piece's output alone, or every layer's (`every`), the piece's last."""
         # What Inductor's own Python wrapper does: sizes as 0-d tensors, tensors as handles.
         args = [a if isinstance(a, torch.Tensor) else torch.tensor(a)
                 for a in self._inputs({"layers": layers, "x": x, "cos": cos, "sin": sin})]
-        return self._from_handles(self._entry(self._to_handles(args)))[0]
+        return self._from_handles(self._entry(self._to_handles(args)))
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"names": self.names, "binary": self.binary}))
@@ -138,9 +151,10 @@ def _source_name(node) -> str:
     return source.name() if callable(source.name) else source.name
 
 
-def compile_piece(layers: tuple, model, block_size: int) -> LayerGraph:
+def compile_piece(layers: tuple, model, block_size: int, every: bool = False) -> LayerGraph:
     """Traces and compiles consecutive `layers` at 2 rows (Dynamo, then Inductor); the graph is
-    Inductor's own module, called without Dynamo or AOTAutograd around it."""
+    Inductor's own module, called without Dynamo or AOTAutograd around it. `every`: it returns
+    every layer's output, not only the last."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     captured = []
@@ -156,7 +170,8 @@ def compile_piece(layers: tuple, model, block_size: int) -> LayerGraph:
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=inductor_options())
 
     # A fresh code object: Dynamo keeps its cache on the code, and this graph is this signature's.
-    fn = types.FunctionType(_layers_forward.__code__.replace(), _layers_forward.__globals__, "layers_forward")
+    body = _every_layer_forward if every else _layers_forward
+    fn = types.FunctionType(body.__code__.replace(), body.__globals__, "layers_forward")
     traced = torch.compile(fn, backend=capture, dynamic=True, fullgraph=True)
     x, cos, sin = _sample(layers, model, WARM_UP_SIZES[0])
     torch._dynamo.decorators.mark_unbacked(x, 0)
@@ -193,28 +208,30 @@ def _on_own_cache(layers: tuple, model, block_size: int, n: int, run):
         return run()
 
 
-def check_piece(graph: LayerGraph, layers: tuple, model, block_size: int) -> None:
-    """The graph against eager at every warm-up size, bit for bit (it also warms the graph up)."""
+def check_piece(graph: LayerGraph, layers: tuple, model, block_size: int, every: bool = False) -> None:
+    """The graph against eager at every warm-up size, bit for bit, each output (it also warms the
+    graph up)."""
     for n in WARM_UP_SIZES:
         x, cos, sin = _sample(layers, model, n)
-        out = _on_own_cache(layers, model, block_size, n, lambda: graph(layers, x, cos, sin))
-        expected = _on_own_cache(layers, model, block_size, n, lambda: _layers_forward(layers, x, cos, sin))
-        if not torch.equal(out.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)):
+        outs = _on_own_cache(layers, model, block_size, n, lambda: graph(layers, x, cos, sin))
+        expected = _on_own_cache(layers, model, block_size, n, lambda: _every_layer_forward(layers, x, cos, sin))
+        expected = expected if every else expected[-1:]
+        if len(outs) != len(expected) or not all(
+                torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)) for a, b in zip(outs, expected)):
             raise RuntimeError(f"the compiled layers differ from eager at {n} rows")
 
 
-def plan_pieces(layers, cuts: set[int], per_graph: int = LAYERS_PER_GRAPH) -> list[tuple[int, int, tuple]]:
-    """(start, end, key) for pieces of at most `per_graph` consecutive layers, cut after every layer
-    in `cuts` (a drafter reads their outputs); a piece's key is its layers' signatures in order, and
-    pieces with one key share a graph. Between the cuts the pieces repeat one period from an
-    offset (a head and a tail apart), the period and offset chosen for the fewest graphs, then the
-    fewest pieces (each call costs some 40 us a step): 30 identical layers are 5 x 6; 16 are 4 x 4
-    (one graph, not 6 + 6 + 4, two); a Q4_K_M file's 16 layers, whose Q6_K down projections come
-    every third layer between two at each end, are 2 + 6 + 6 + 2 (two graphs, not four)."""
+def plan_pieces(layers, every: bool = False, per_graph: int = LAYERS_PER_GRAPH) -> list[tuple[int, int, tuple]]:
+    """(start, end, key) for pieces of at most `per_graph` consecutive layers; a piece's key is its
+    layers' signatures in order (and whether its graph returns `every` layer's output), and pieces
+    with one key share a graph. The pieces repeat one period from an offset (a head and a tail
+    apart), the period and offset chosen for the fewest graphs, then the fewest pieces (each call
+    costs some 40 us a step): 30 identical layers are 5 x 6; 16 are 4 x 4 (one graph, not
+    6 + 6 + 4, two); a Q4_K_M file's 16 layers, whose Q6_K down projections come every third layer
+    between two at each end, are 2 + 6 + 6 + 2 (two graphs, not four)."""
     signatures = [layer_signature(layer) for layer in layers]
-    bounds = sorted({0, len(layers)} | {c + 1 for c in cuts if 0 <= c < len(layers) - 1})
-    spans = [span for lo, hi in zip(bounds, bounds[1:]) for span in _segment(signatures, lo, hi, per_graph)]
-    return [(a, b, tuple(signatures[a:b])) for a, b in spans]
+    tail = (("outputs", "every layer"),) if every else ()
+    return [(a, b, tuple(signatures[a:b]) + tail) for a, b in _segment(signatures, 0, len(layers), per_graph)]
 
 
 def _segment(signatures: list, lo: int, hi: int, per_graph: int) -> list[tuple[int, int]]:

@@ -270,12 +270,14 @@ class LlamaModel(nn.Module):
                 break
             enter_layer(start)  # each attention call moves on to the next layer's cache
             if graph is not None and start + len(layers) <= end:
-                x = graph(layers, x, cos, sin)
+                outs = graph(layers, x, cos, sin)  # every layer's output where a drafter reads some
+                x = outs[-1]
+                captured.update((start + i, out) for i, out in enumerate(outs) if start + i in capture)
             else:
-                for layer in layers[: end - start]:
+                for i, layer in enumerate(layers[: end - start]):
                     x = layer(x, cos, sin)
-            if (last := min(start + len(layers), end) - 1) in capture:
-                captured[last] = x
+                    if start + i in capture:
+                        captured[start + i] = x
         x = self.norm(x)
         if not capture:
             return x
