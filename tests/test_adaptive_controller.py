@@ -37,6 +37,24 @@ def test_a_calibration_bucket_averages_its_first_outcomes_with_the_prior_then_mo
     assert calibrated(ctl, 0.55, greedy=False) == pytest.approx(before + GLOBAL_EMA * (1 - before))
 
 
+def test_a_new_request_starts_from_the_outcomes_of_requests_of_its_own_mode():
+    """Prompt lookup's drafts land far more often for greedy requests than for sampled ones: the
+    per-position prior a new request starts from is learnt per mode, so an engine that answered
+    greedy chat does not start its T = 0.8 requests at the greedy rates."""
+    from types import SimpleNamespace
+
+    ctl = AdaptiveController(3, CostModel([1, 8], [0.01, 0.02]), exact_host_scores=True)
+    greedy = SimpleNamespace(request_id="g", params=SimpleNamespace(greedy=True))
+    for _ in range(20):
+        ctl.observe(greedy, 3, 3, None)  # every greedy draft lands
+    sampled = SimpleNamespace(request_id="s", params=SimpleNamespace(greedy=False))
+    for _ in range(20):
+        ctl.observe(sampled, 3, 0, None)  # no sampled first draft does
+    assert ctl.history("new greedy", greedy=True).confidence[0] > 0.9
+    assert ctl.history("new sampled", greedy=False).confidence[0] < 0.2
+    assert ctl.history("new sampled", greedy=False).confidence[1:] == [PRIOR_CONFIDENCE] * 2  # never tried
+
+
 def test_a_drafts_calibrated_survival_is_the_running_product_of_its_buckets():
     """One lookup for a whole draft gives what a lookup per position does, bucket edges included."""
     from types import SimpleNamespace
