@@ -96,19 +96,7 @@ void decode_block(int f, const uint8_t* b, Block& out) {
 
 // Column `col`'s group of 32 codes into the group's bytes `dst` (packed_layout.h).
 void write_group(int f, const uint8_t* q, int64_t col, uint8_t* dst) {
-  if (f == kQ8_0) {
-    for (int j = 0; j < kGroup; ++j) dst[(j / 2) * 2 * kCols + 2 * col + j % 2] = q[j];
-    return;
-  }
-  for (int j = 0; j < kGroup; ++j)
-    if (j % 4 < 2) dst[(j / 4) * 2 * kCols + 2 * col + j % 4] = static_cast<uint8_t>((q[j] & 0x0F) | ((q[j + 2] & 0x0F) << 4));
-  for (int p = 0; p < kGroup / 4; ++p) {
-    int bits = 0;
-    for (int i = 0; i < 4; ++i)
-      bits |= code_bits(f) == 5 ? ((q[4 * p + i] >> 4) & 1) << i : ((q[4 * p + i] >> 4) & 3) << (2 * i);
-    if (code_bits(f) == 5) dst[kBytes4 + (p / 2) * kCols + col] |= static_cast<uint8_t>(bits << (4 * (p % 2)));
-    if (code_bits(f) == 6) dst[kBytes4 + p * kCols + col] = static_cast<uint8_t>(bits);
-  }
+  for (int j = 0; j < kGroup; ++j) put_code(f, dst, j, col, q[j]);
 }
 
 std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> gguf_pack(const at::Tensor& raw, int64_t format,

@@ -24,18 +24,14 @@ at::Tensor packed_codes(const at::Tensor& codes, int64_t bits) {
   at::Tensor out = at::zeros({blocks, groups, bytes}, c.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  const int fmt = bits == 8 ? kQ8_0 : kQ4_0;  // the layout depends only on the code width
   for (int64_t row = 0; row < n; ++row) {
     const int64_t b = row / kCols, col = row % kCols;
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* s = src + row * k + g * kGroup;
-      uint8_t* d = dst + (b * groups + g) * bytes + 2 * col;
       for (int64_t j = 0; j < kGroup; ++j) {
-        if (bits == 8) {
-          d[(j / 2) * 2 * kCols + j % 2] = s[j];
-        } else if (j % 4 < 2) {  // inputs 4p + e (low nibble) and 4p + 2 + e (high)
-          TORCH_CHECK(s[j] < 16 && s[j + 2] < 16, "packed_codes: 4-bit codes must be 0..15");
-          d[(j / 4) * 2 * kCols + j % 4] = static_cast<uint8_t>(s[j] | (s[j + 2] << 4));
-        }
+        TORCH_CHECK(bits == 8 || s[j] < 16, "packed_codes: 4-bit codes must be 0..15");
+        put_code(fmt, dst + (b * groups + g) * bytes, j, col, s[j]);
       }
     }
   }
@@ -57,19 +53,12 @@ void dequantize_blocks(const uint8_t* cp, const at::Half* dp, const at::Half* mp
     const int64_t cols = std::min(kCols, n - b * kCols);
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* blk = cp + (b * groups + g) * bytes;
-      if constexpr (Fmt == kQ8_0) {  // run p: byte 2c + e is column c's code for input 2p + e
-        for (int64_t p = 0; p < kGroup / 2; ++p)
-          for (int64_t i = 0; i < 2 * kCols; ++i)
-            q[i / 2][2 * p + i % 2] = static_cast<float>(static_cast<int8_t>(blk[p * 2 * kCols + i]));
-      } else {  // run p: byte 2c + e holds inputs 4p + e (low nibble) and 4p + 2 + e (high)
-        constexpr int bias = Fmt == kQ4_0 ? 8 : 0;
-        for (int64_t p = 0; p < kGroup / 4; ++p)
-          for (int64_t i = 0; i < 2 * kCols; ++i) {
-            const uint8_t byte = blk[p * 2 * kCols + i];
-            q[i / 2][4 * p + i % 2] = static_cast<float>((byte & 0x0F) - bias);
-            q[i / 2][4 * p + 2 + i % 2] = static_cast<float>((byte >> 4) - bias);
-          }
-      }
+      constexpr int bias = Fmt == kQ4_0 ? 8 : 0;
+      for (int64_t c = 0; c < kCols; ++c)
+        for (int64_t j = 0; j < kGroup; ++j) {
+          const int code = code_at(Fmt, blk, j, c);
+          q[c][j] = static_cast<float>(Fmt == kQ8_0 ? static_cast<int8_t>(code) : code - bias);
+        }
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t at = (b * groups + g) * kCols + c;
         const float d = dp[at];
@@ -85,19 +74,14 @@ void dequantize_blocks(const uint8_t* cp, const at::Half* dp, const at::Half* mp
 // d (q - centre) + m, d q (Q8_0), (d sc) q - (dmin mn), (d sc) (q - 32); the scale products are
 // exact, so each weight rounds once, as there. `d` and `m` point at the column's scale (offset).
 void decode_group(int fmt, const uint8_t* raw, const uint16_t* d, const uint16_t* m, int64_t col, float* out) {
-  const int bits = code_bits(fmt);
   const int64_t subs = kBytes4 + high_bytes(fmt);
   const float dd = c10::detail::fp16_ieee_to_fp32_value(*d);
   for (int64_t j = 0; j < kGroup; ++j) {
-    if (fmt == kQ8_0) {  // run p = j / 2: byte 2c + e is column c's code for input 2p + e
-      out[j] = dd * static_cast<float>(static_cast<int8_t>(raw[(j / 2) * 2 * kCols + 2 * col + j % 2]));
+    const int q = code_at(fmt, raw, j, col);
+    if (fmt == kQ8_0) {
+      out[j] = dd * static_cast<float>(static_cast<int8_t>(q));
       continue;
     }
-    const int64_t p = j / 4, i = j % 4;
-    const uint8_t byte = raw[p * 2 * kCols + 2 * col + i % 2];
-    int q = i < 2 ? byte & 0x0F : byte >> 4;
-    if (bits == 5) q |= ((raw[kBytes4 + (p / 2) * kCols + col] >> (4 * (p % 2) + i)) & 1) << 4;
-    if (bits == 6) q |= ((raw[kBytes4 + p * kCols + col] >> (2 * i)) & 3) << 4;
     if (fmt == kQ6_K) {
       const float dg = dd * static_cast<float>(static_cast<int8_t>(raw[subs + (j / 16) * kCols + col]));
       out[j] = dg * static_cast<float>(q - 32);

@@ -2,14 +2,18 @@
 // build and decode it (packed_layout.cpp).
 //
 // Layout, per block of 16 output columns and per group of 32 inputs (`packed_codes` and
-// `gguf_pack` build it); a group's bytes are contiguous, so the matmul streams them in order:
-// - 4-bit codes: 256 bytes, 8 runs of 32. In run p, byte 2c+e holds column c's code for input 4p+e
-//   in its low nibble and 4p+2+e in its high one: zero-extending the run to 16-bit lanes gives
-//   input pair (4p, 4p+1) of every column, a shift by 4 the pair (4p+2, 4p+3).
-// - 5- and 6-bit codes: the low 4 bits as above, then the high bits. 5 bits: 4 chunks of 16 bytes,
-//   chunk j's byte c holding column c's fifth bits of run 2j (bit i: input 8j+i) in its low nibble
-//   and of run 2j+1 in its high one (64 bytes). 6 bits: 8 chunks of 16 bytes, chunk p's byte c
-//   holding column c's top two bits of inputs 4p..4p+3 (bits 2i, 2i+1: input 4p+i) (128 bytes).
+// `gguf_pack` build it); a group's bytes are contiguous, so the matmul streams them in order.
+// A run is 4 consecutive inputs (run p: inputs 4p..4p+3); a lane chunk is 64 bytes, byte 4c+e
+// standing for column c and input e of a run, so a vector of 32-bit lanes holds every column's
+// four codes of a run in input order, as the byte multiply-adds take them. The bits of a code
+// sit at the same byte in every plane: one load, one 16-bit shift and one mask give a run's
+// nibbles or high bits for 8 or 16 columns (a shift within 16-bit lanes never carries a
+// neighbour byte's bits into the masked ones).
+// - 4-bit codes: 256 bytes, 4 lane chunks; chunk q holds run 2q in its low nibbles and run 2q+1
+//   in its high ones.
+// - 5- and 6-bit codes: the low 4 bits as above, then the high bits. 5 bits: one lane chunk, bit p
+//   of byte 4c+e the fifth bit of run p (64 bytes). 6 bits: two lane chunks, chunk j's byte 4c+e
+//   holding the top two bits of run 4j+i in bits 2i, 2i+1 (128 bytes).
 // - K-quants then carry their 6- or 8-bit sub-block scales as stored: Q4_K / Q5_K 16 bytes of
 //   scales (one per column) and 16 of mins; Q6_K 16 int8 scales for inputs 0..15, 16 for 16..31.
 // - 8-bit codes: 512 bytes, 16 runs of 32; in run p, byte 2c+e is column c's code for input 2p+e.
@@ -17,6 +21,7 @@
 //   [blocks, groups / 8, 16], the super-block's d (and dmin), one per 256 inputs.
 // A weight is d (q - center) + m (legacy formats; center 8 for Q4_0, 16 for Q5_0, m = 0 without
 // offsets), d sc q - dmin mn (Q4_K, Q5_K) or d sc (q - 32) (Q6_K, sc per 16 inputs).
+// `code_at` and `put_code` below are the layout's one definition for the scalar code.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +50,41 @@ constexpr bool has_offsets(int f) { return f == kQ4_1 || f == kQ5_1 || f == kQ4_
 constexpr int64_t high_bytes(int f) { return code_bits(f) == 5 ? 64 : code_bits(f) == 6 ? 128 : 0; }
 constexpr int64_t sub_bytes(int f) { return is_kquant(f) ? 2 * kCols : 0; }
 constexpr int64_t group_bytes(int f) { return f == kQ8_0 ? kBytes8 : kBytes4 + high_bytes(f) + sub_bytes(f); }
+constexpr int64_t kLaneBytes = 4 * kCols;  // one run's codes of every column: a lane chunk
+
+// Where input j of column `col` keeps its code in a group's bytes: the byte of its low 4 bits and
+// their shift, the byte of its high bits (5 and 6 bits) and theirs; 8-bit codes are whole bytes.
+struct CodeBits {
+  int64_t low_byte;
+  int low_shift;
+  int64_t high_byte;
+  int high_shift;
+};
+constexpr CodeBits code_bits_at(int f, int64_t j, int64_t col) {
+  if (f == kQ8_0) return {(j / 2) * 2 * kCols + 2 * col + j % 2, 0, 0, 0};
+  const int64_t run = j / 4, lane = 4 * col + j % 4;
+  const int64_t high = code_bits(f) == 6 ? kBytes4 + (run / 4) * kLaneBytes + lane : kBytes4 + lane;
+  return {(run / 2) * kLaneBytes + lane, 4 * static_cast<int>(run % 2), high,
+          code_bits(f) == 6 ? 2 * static_cast<int>(run % 4) : static_cast<int>(run)};
+}
+// Column `col`'s code for input j (unsigned; Q8_0's int8 code as its byte).
+inline int code_at(int f, const uint8_t* group, int64_t j, int64_t col) {
+  const CodeBits at = code_bits_at(f, j, col);
+  if (f == kQ8_0) return group[at.low_byte];
+  int q = (group[at.low_byte] >> at.low_shift) & 0x0F;
+  if (code_bits(f) > 4) q |= ((group[at.high_byte] >> at.high_shift) & ((1 << (code_bits(f) - 4)) - 1)) << 4;
+  return q;
+}
+// Writes it into a group's bytes, zero where nothing was written yet.
+inline void put_code(int f, uint8_t* group, int64_t j, int64_t col, int q) {
+  const CodeBits at = code_bits_at(f, j, col);
+  if (f == kQ8_0) {
+    group[at.low_byte] = static_cast<uint8_t>(q);
+    return;
+  }
+  group[at.low_byte] |= static_cast<uint8_t>((q & 0x0F) << at.low_shift);
+  if (code_bits(f) > 4) group[at.high_byte] |= static_cast<uint8_t>((q >> 4) << at.high_shift);
+}
 
 #ifndef VS_PACKED_NO_ATEN
 inline void check_weights(const at::Tensor& codes, const at::Tensor& scales,

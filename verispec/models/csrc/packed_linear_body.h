@@ -24,6 +24,24 @@ inline int64_t prefetch_distance(int64_t h, int64_t groups, int64_t bytes) {
   return (kCols / V::kCols > 1 && h + 1 == kCols / V::kCols ? groups : kPrefetchGroups) * bytes;
 }
 
+constexpr int kRuns = kGroup / 4;  // runs of 4 inputs per group
+
+// Column lanes' codes for run p of a group's bytes `raw`, columns h * V::kCols onwards: the nibbles
+// of lane chunk p / 2, with the fifth (or fifth and sixth) bits from their own chunk, each one load,
+// one shift and one mask (packed_layout.h).
+template <int Fmt>
+inline typename V::B qx_codes(const uint8_t* raw, int p, int64_t h) {
+  const uint8_t* lanes = raw + h * 4 * V::kCols;
+  const typename V::B lo = V::bits(lanes + (p / 2) * kLaneBytes, p % 2 ? -4 : 0, 0x0F);
+  if constexpr (code_bits(Fmt) == 4) {
+    return lo;
+  } else if constexpr (code_bits(Fmt) == 5) {  // bit p -> bit 4
+    return V::or_b(lo, V::bits(lanes + kBytes4, 4 - p, 0x10));
+  } else {  // bits 2 (p % 4), 2 (p % 4) + 1 of chunk p / 4 -> bits 4, 5
+    return V::or_b(lo, V::bits(lanes + kBytes4 + (p / 4) * kLaneBytes, 4 - 2 * (p % 4), 0x30));
+  }
+}
+
 // R rows x 16 output columns of one column block of 4-bit codes (Q4_0, Q4_1), over every group
 // of K, on int8 activations (packed_activations.h). `out` is [R][16] fp32. A group's integer value
 // is T1 (over q1), or 254 T1 + T2 in an outlier group (T2 over the residual), exact in fp32.
@@ -39,8 +57,8 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
     for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = block * groups + g;
-      const uint8_t* raw = w.codes + at * kBytes4 + h * 2 * V::kCols;
-      prefetch_group(raw - h * 2 * V::kCols + prefetch_distance(h, groups, kBytes4), kBytes4);
+      const uint8_t* raw = w.codes + at * kBytes4;
+      prefetch_group(raw + prefetch_distance(h, groups, kBytes4), kBytes4);
       const int8_t* x = a.q8 + r0 * k + g * kGroup;
       typename V::I dot[R][C];  // exact sums of code x q1 over the group, in V::dot8's partial form
 #pragma GCC unroll 8
@@ -49,8 +67,8 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
         for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
       typename V::B wv[kGroup / 4];  // kept for the residuals (in registers with AVX-512's 32)
 #pragma GCC unroll 8
-      for (int64_t p = 0; p < kGroup / 4; ++p) {  // four inputs per 32 bytes of nibbles
-        wv[p] = V::nibbles(raw + p * 2 * kCols);
+      for (int p = 0; p < kGroup / 4; ++p) {  // four inputs per run
+        wv[p] = qx_codes<Fmt>(raw, p, h);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot8(dot[r][p % C], wv[p], x + r * k + 4 * p);
       }

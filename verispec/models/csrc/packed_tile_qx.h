@@ -17,26 +17,6 @@
 //
 // No include guard: it is meant to be included more than once.
 
-constexpr int kRuns = kGroup / 4;  // runs of 4 inputs per group
-
-// Column lanes' codes for run p: the nibbles, with the fifth (or fifth and sixth) bits in place.
-template <int Fmt>
-inline typename V::B qx_codes(const uint8_t* raw, int p, int64_t h) {
-  const typename V::B lo = V::nibbles(raw + p * 2 * kCols + h * 2 * V::kCols);
-  if constexpr (code_bits(Fmt) == 4) {
-    return lo;
-  } else if constexpr (code_bits(Fmt) == 5) {  // 4 bits b0..b3 per lane -> bit 4 of bytes 0..3
-    typename V::I v = V::lanes_u8(raw + kBytes4 + (p / 2) * kCols + h * V::kCols);
-    v = p % 2 ? V::template srli<4>(v) : V::and_i(v, 0x0F);
-    v = V::or_i(V::or_i(v, V::template slli<7>(v)), V::or_i(V::template slli<14>(v), V::template slli<21>(v)));
-    return V::with_high(lo, V::and_i(V::template slli<4>(v), 0x10101010));
-  } else {  // 8 bits, two per input -> bits 4 and 5 of bytes 0..3
-    typename V::I v = V::lanes_u8(raw + kBytes4 + p * kCols + h * V::kCols);
-    v = V::or_i(V::or_i(v, V::template slli<6>(v)), V::or_i(V::template slli<12>(v), V::template slli<18>(v)));
-    return V::with_high(lo, V::and_i(V::template slli<4>(v), 0x30303030));
-  }
-}
-
 // Exact int32 sums of code x activation for R rows, over each of the group's S sets of runs
 // (S = 2 for Q6_K's sub-blocks of 16 inputs, else 1), in C chains per row. A chain's int16 lanes
 // are widened after every `Widen` runs (never, with int32 sums): the sums are the same integers.

@@ -7,8 +7,7 @@
 #if defined(VS_X86)
 namespace {
 // ------------------------------------------------------------------ x86: 16 or 8 lanes per vector
-// A 4-bit run's byte pairs (one column's, inputs 4p..4p+3 as low, low, high, high nibbles)
-// zero-extended to 32-bit lanes v: (v | v << 12) & 0x0F0F0F0F puts the four codes in input order.
+// A run's codes: 32 bytes of a lane chunk (8 columns' 4 codes), shifted and masked (packed_layout.h).
 #define VS_AVX2_TRAITS(DOT, DOT8, WIDEN, INT32)                                                       \
   struct V {                                                                                          \
     static constexpr int kCols = 8, kRows = 4, kChains = 4; /* 16 ymm registers */                    \
@@ -19,10 +18,13 @@ namespace {
     using F = __m256;                                                                                 \
     static I zero_i() { return _mm256_setzero_si256(); }                                              \
     static F zero_f() { return _mm256_setzero_ps(); }                                                 \
-    static B nibbles(const uint8_t* p) {                                                              \
-      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  \
-      return _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), _mm256_set1_epi32(0x0F0F0F0F)); \
+    static B bits(const uint8_t* p, int shift, uint8_t mask) { /* shift: within 16-bit lanes */    \
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));                            \
+      if (shift > 0) v = _mm256_slli_epi16(v, shift);                                                 \
+      if (shift < 0) v = _mm256_srli_epi16(v, -shift);                                                \
+      return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(mask)));                          \
     }                                                                                                 \
+    static B or_b(B a, B b) { return _mm256_or_si256(a, b); }                                         \
     static W load8(const uint8_t* p) {                                                                \
       return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));              \
     }                                                                                                 \
@@ -46,12 +48,8 @@ namespace {
       return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));              \
     }                                                                                                 \
     template <int N> static I slli(I a) { return _mm256_slli_epi32(a, N); }                           \
-    template <int N> static I srli(I a) { return _mm256_srli_epi32(a, N); }                           \
-    static I or_i(I a, I b) { return _mm256_or_si256(a, b); }                                         \
-    static I and_i(I a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }              \
     static I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }                                       \
     static I set1_i(int32_t s) { return _mm256_set1_epi32(s); }                                       \
-    static B with_high(B lo, I hi) { return _mm256_or_si256(lo, hi); }                                \
   };
 
 // Without VNNI, dot8 keeps int16 lanes: u8 x s8 pairs (|.| <= 2 x 15 x 127 = 3810) summed over at

@@ -16,10 +16,13 @@ namespace {
     using F = __m512;                                                                                 \
     static I zero_i() { return _mm512_setzero_si512(); }                                              \
     static F zero_f() { return _mm512_setzero_ps(); }                                                 \
-    static B nibbles(const uint8_t* p) {                                                              \
-      const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); \
-      return _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x0F0F0F0F)); \
+    static B bits(const uint8_t* p, int shift, uint8_t mask) { /* shift: within 16-bit lanes */    \
+      __m512i v = _mm512_loadu_si512(p);                                                              \
+      if (shift > 0) v = _mm512_slli_epi16(v, shift);                                                 \
+      if (shift < 0) v = _mm512_srli_epi16(v, -shift);                                                \
+      return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(mask)));                          \
     }                                                                                                 \
+    static B or_b(B a, B b) { return _mm512_or_si512(a, b); }                                         \
     static W load8(const uint8_t* p) {                                                                \
       return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));           \
     }                                                                                                 \
@@ -43,12 +46,8 @@ namespace {
       return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));              \
     }                                                                                                 \
     template <int N> static I slli(I a) { return _mm512_slli_epi32(a, N); }                           \
-    template <int N> static I srli(I a) { return _mm512_srli_epi32(a, N); }                           \
-    static I or_i(I a, I b) { return _mm512_or_si512(a, b); }                                         \
-    static I and_i(I a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }              \
     static I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }                                       \
     static I set1_i(int32_t s) { return _mm512_set1_epi32(s); }                                       \
-    static B with_high(B lo, I hi) { return _mm512_or_si512(lo, hi); }                                \
   };
 
 inline __m512i avx512_dot(__m512i acc, __m512i w, __m512i x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x)); }

@@ -20,13 +20,18 @@ struct V {
   struct F { float v[16]; };
   static I zero_i() { return I{}; }
   static F zero_f() { return F{}; }
-  static B nibbles(const uint8_t* p) {  // column c's 4 codes as bytes 4c..4c+3, in input order
+  static B bits(const uint8_t* p, int shift, uint8_t mask) {  // as the vectors: shifts within 16-bit lanes
     B b;
-    for (int c = 0; c < 16; ++c) {
-      b.v[4 * c] = p[2 * c] & 0x0F, b.v[4 * c + 1] = p[2 * c + 1] & 0x0F;
-      b.v[4 * c + 2] = p[2 * c] >> 4, b.v[4 * c + 3] = p[2 * c + 1] >> 4;
+    for (int j = 0; j < 32; ++j) {
+      uint32_t v = p[2 * j] | (uint32_t(p[2 * j + 1]) << 8);
+      v = shift >= 0 ? v << shift : v >> -shift;
+      b.v[2 * j] = static_cast<uint8_t>(v) & mask, b.v[2 * j + 1] = static_cast<uint8_t>(v >> 8) & mask;
     }
     return b;
+  }
+  static B or_b(B a, const B& b) {
+    for (int j = 0; j < 64; ++j) a.v[j] |= b.v[j];
+    return a;
   }
   static I widen(const I& a) { return a; }  // dot8's sums are int32 already
   static I dot8(I acc, const B& w, const int8_t* x) {
@@ -94,19 +99,6 @@ struct V {
     for (auto& v : a.v) v = static_cast<int32_t>(static_cast<uint32_t>(v) << N);
     return a;
   }
-  template <int N>
-  static I srli(I a) {
-    for (auto& v : a.v) v = static_cast<int32_t>(static_cast<uint32_t>(v) >> N);
-    return a;
-  }
-  static I or_i(I a, const I& b) {
-    for (int j = 0; j < 16; ++j) a.v[j] |= b.v[j];
-    return a;
-  }
-  static I and_i(I a, int32_t mask) {
-    for (auto& v : a.v) v &= mask;
-    return a;
-  }
   static I sub_i(I a, const I& b) {
     for (int j = 0; j < 16; ++j) a.v[j] -= b.v[j];
     return a;
@@ -115,11 +107,6 @@ struct V {
     I a;
     for (auto& v : a.v) v = s;
     return a;
-  }
-  static B with_high(B lo, const I& hi) {  // lane c's four bytes of `hi` or-ed into column c's codes
-    for (int c = 0; c < 16; ++c)
-      for (int i = 0; i < 4; ++i) lo.v[4 * c + i] |= static_cast<uint8_t>(static_cast<uint32_t>(hi.v[c]) >> (8 * i));
-    return lo;
   }
 };
 #include "packed_linear_body.h"
