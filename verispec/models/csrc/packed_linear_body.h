@@ -5,9 +5,11 @@
 //
 // No include guard: it is meant to be included more than once.
 
-// Independent integer chains per row: a multiply-add waits ~5 cycles for its predecessor, so a
-// row or two alone would stall on one chain; from 3 rows the rows' own chains keep the unit busy
-// (one chain there measured faster than two). Integer sums are exact: the split never changes a result.
+// Independent integer chains per row: a VNNI multiply-add accumulates in place and waits ~5 cycles
+// for its predecessor, so a row or two alone would stall on one chain; from 3 rows the rows' own
+// chains keep the unit busy (one chain there measured faster than two). Without VNNI the multiply
+// does not wait on the sum and the add takes a cycle: one chain, fewer widenings (V::kChains = 1).
+// Integer sums are exact: the split never changes a result.
 template <int R>
 constexpr int chains() { return R >= 3 || V::kChains < 2 * R ? 1 : V::kChains / R; }
 

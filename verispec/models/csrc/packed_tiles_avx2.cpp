@@ -10,7 +10,7 @@ namespace {
 // A run's codes: 32 bytes of a lane chunk (8 columns' 4 codes), shifted and masked (packed_layout.h).
 #define VS_AVX2_TRAITS(DOT, DOT8, WIDEN, INT32)                                                       \
   struct V {                                                                                          \
-    static constexpr int kCols = 8, kRows = 4, kChains = 4; /* 16 ymm registers */                    \
+    static constexpr int kCols = 8, kRows = 4, kChains = INT32 ? 4 : 1; /* see chains() */           \
     static constexpr bool kDot8Int32 = INT32;                                                         \
     using W = __m256i;                                                                                \
     using B = __m256i;                                                                                \

@@ -8,7 +8,7 @@
 namespace {
 #define VS_AVX512_TRAITS(DOT, DOT8, WIDEN, INT32)                                                     \
   struct V {                                                                                          \
-    static constexpr int kCols = 16, kRows = kMaxRows, kChains = 8; /* 32 zmm registers */            \
+    static constexpr int kCols = 16, kRows = kMaxRows, kChains = INT32 ? 8 : 1; /* see chains() */   \
     static constexpr bool kDot8Int32 = INT32;                                                         \
     using W = __m512i;                                                                                \
     using B = __m512i;                                                                                \
