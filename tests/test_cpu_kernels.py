@@ -320,3 +320,17 @@ def test_an_engine_answers_at_once_while_a_first_build_runs_in_the_background(mo
         cpu_kernels.kernel_build.cache_clear()
         torch.set_num_threads(threads)
     assert cpu_kernels.cpu_kernels_available()
+
+
+def test_a_comparison_names_the_packed_variant_and_a_bad_name_lists_this_cpus(monkeypatch):
+    """VERISPEC_PACKED_VARIANT picks the packed kernel's instruction set (the start-up line says which);
+    one this CPU does not run is refused with the ones it does."""
+    assert cpu_kernels.cpu_kernels_available()
+    runs = torch.ops.verispec_cpu.packed_variants()
+    assert cpu_kernels.packed_variant() == runs[0]
+    monkeypatch.setenv("VERISPEC_PACKED_VARIANT", runs[-1])
+    assert cpu_kernels.packed_variant() == runs[-1]
+    assert cpu_kernels.kernel_build().describe().endswith(f"(packed {runs[-1]})")
+    monkeypatch.setenv("VERISPEC_PACKED_VARIANT", "mmx")
+    with pytest.raises(ValueError, match="VERISPEC_PACKED_VARIANT='mmx': this CPU runs " + ", ".join(runs)):
+        cpu_kernels.packed_variant()

@@ -6,6 +6,7 @@ table). Each is read when asked for, so a test or a parent process may set it la
 | `VERISPEC_CACHE` | `$XDG_CACHE_HOME/verispec`, else `~/.cache/verispec` | the on-disk cache: built kernels, tokenizers read from GGUF files |
 | `VERISPEC_CPU_KERNELS` | `1` | `0`: verispec's CPU kernels are not built; attention runs on SDPA, packed matrices on torch's int4 kernel |
 | `VERISPEC_PACKED_KERNEL` | `1` | `0`: the fast tier's matrices run on torch's int4 kernel, not the packed one (comparisons) |
+| `VERISPEC_PACKED_VARIANT` | unset | the packed kernel's instruction set (`avx512_vnni`, `avx512`, `avx2_vnni`, `avx2`, `portable`; one this CPU runs): comparisons; unset, the best one |
 | `VERISPEC_COMPILE` | `1` | `0`: `enforce_eager` defaults to true (no torch.compile); an engine's own setting still wins when true |
 | `VERISPEC_ADAPTIVE_THREADS` | `1` | `0`: an engine keeps its full thread count beside busy processes (verispec/cores.py) |
 | `VERISPEC_API_KEY` | unset | `verispec serve --api-key`'s default |
@@ -20,6 +21,7 @@ import os
 CACHE = "VERISPEC_CACHE"
 CPU_KERNELS = "VERISPEC_CPU_KERNELS"
 PACKED_KERNEL = "VERISPEC_PACKED_KERNEL"
+PACKED_VARIANT = "VERISPEC_PACKED_VARIANT"
 COMPILE = "VERISPEC_COMPILE"
 ADAPTIVE_THREADS = "VERISPEC_ADAPTIVE_THREADS"
 API_KEY = "VERISPEC_API_KEY"
@@ -41,6 +43,11 @@ def cpu_kernels_enabled() -> bool:
 
 def packed_kernel_enabled() -> bool:
     return _on(PACKED_KERNEL)
+
+
+def packed_variant() -> str:
+    """The packed kernel's variant asked for, or "" (the best this CPU runs)."""
+    return os.environ.get(PACKED_VARIANT, "")
 
 
 def compile_enabled() -> bool:

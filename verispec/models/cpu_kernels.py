@@ -56,7 +56,17 @@ class KernelBuild:
         variant on this CPU (e.g. `verispec AVX512 (packed avx512_vnni)`)."""
         if not self.level:
             return f"off ({self.reason})"
-        return f"verispec {self.level} (packed {torch.ops.verispec_cpu.packed_variants()[0]})"
+        return f"verispec {self.level} (packed {packed_variant()})"
+
+
+def packed_variant() -> str:
+    """The packed matmul's instruction-set variant: the one `VERISPEC_PACKED_VARIANT` names (for
+    comparisons; an error names the ones this build runs here), else the best this CPU runs."""
+    runs = torch.ops.verispec_cpu.packed_variants()
+    asked = envs.packed_variant()
+    if asked and asked not in runs:
+        raise ValueError(f"{envs.PACKED_VARIANT}={asked!r}: this CPU runs {', '.join(runs)}")
+    return asked or runs[0]
 
 
 _build_lock = threading.Lock()  # the engine asks from a start-up thread; a model that needs them waits

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verispec import envs
-from verispec.models.cpu_kernels import cpu_kernels_available
+from verispec.models.cpu_kernels import cpu_kernels_available, packed_variant
 from verispec.models.gguf_blocks import PACKED_KINDS, GGUFBlocks, Stacked
 from verispec.models.linear_base import LinearBase
 from verispec.models.quant import QuantizedWeight
@@ -278,11 +278,13 @@ class PackedLinear(LinearBase):
         self.register_buffer("scales", scales.to(device), persistent=False)
         self.register_buffer("offsets", None if offsets is None else offsets.to(device), persistent=False)
         self.float_output = float_output
+        self.variant = packed_variant()  # the best this CPU runs, unless a comparison names one
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.float_output:
             x = x.float()
-        return torch.ops.verispec_cpu.packed_linear(x, self.codes, self.scales, self.offsets, self.format, self.n)
+        return torch.ops.verispec_cpu.packed_linear(x, self.codes, self.scales, self.offsets, self.format, self.n,
+                                                    self.variant)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the matrix, each weight its exact value rounded once to `dtype`: a tied
