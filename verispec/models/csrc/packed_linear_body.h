@@ -18,12 +18,19 @@ inline void prefetch_group(const uint8_t* next, int64_t bytes) {  // the weights
   for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(next + e);
 }
 
-// How far ahead of group g the weights are prefetched. Where a block takes two passes (8-lane
-// machines: columns 0..7, then 8..15), the first pass brings the block's bytes in and the second
-// reads them from L2: it prefetches the next block instead, so memory streams during both passes
-// rather than idling through the second (1B decode at one thread: ~8.6 -> ~10 GB/s).
-inline int64_t prefetch_distance(int64_t h, int64_t groups, int64_t bytes) {
-  return (kCols / V::kCols > 1 && h + 1 == kCols / V::kCols ? groups : kPrefetchGroups) * bytes;
+// Halves of a column block per pass over its groups, where a vector holds half a block's columns
+// (8 lanes: AVX2). One or two rows leave registers for both halves, so a group's scalars, its
+// activations and the prefetches are paid once per 16 columns; more rows take a pass per half.
+template <int R>
+constexpr int tile_halves() { return R <= 2 ? kCols / V::kCols : 1; }
+
+// How far ahead of group g the weights are prefetched, in the pass over halves h0..h0+H-1. Where
+// a block takes two passes (columns 0..7, then 8..15), the first pass brings the block's bytes in
+// and the second reads them from L2: it prefetches the next block instead, so memory streams
+// during both passes rather than idling through the second (1B decode at one thread: ~8.6 -> ~10 GB/s).
+inline int64_t prefetch_distance(int64_t h0, int H, int64_t groups, int64_t bytes) {
+  const bool second_pass = H < kCols / V::kCols && h0 + H == kCols / V::kCols;
+  return (second_pass ? groups : kPrefetchGroups) * bytes;
 }
 
 constexpr int kRuns = kGroup / 4;  // runs of 4 inputs per group
@@ -60,7 +67,7 @@ void tile_q4(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = block * groups + g;
       const uint8_t* raw = w.codes + at * kBytes4;
-      prefetch_group(raw + prefetch_distance(h, groups, kBytes4), kBytes4);
+      prefetch_group(raw + prefetch_distance(h, 1, groups, kBytes4), kBytes4);
       const int8_t* x = a.q8 + r0 * k + g * kGroup;
       typename V::I dot[R][C];  // exact sums of code x q1 over the group, in V::dot8's partial form
 #pragma GCC unroll 8
@@ -118,7 +125,7 @@ void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t at = block * groups + g;
       const uint8_t* raw = w.codes + at * kBytes8 + h * 2 * V::kCols;
-      prefetch_group(raw - h * 2 * V::kCols + prefetch_distance(h, groups, kBytes8), kBytes8);
+      prefetch_group(raw - h * 2 * V::kCols + prefetch_distance(h, 1, groups, kBytes8), kBytes8);
       const int16_t* x = a.q16 + r0 * k + g * kGroup;
       typename V::I dot[R][C];
 #pragma GCC unroll 8

@@ -49,70 +49,86 @@ inline void qx_sums(const typename V::B* wv, const int8_t* x, int64_t k, typenam
   }
 }
 
-// R rows x 16 output columns of one column block in format Fmt; `out` is [R][16] fp32.
-// long: the hot loop reads top to bottom (codes, integer sums, one fp32 combine per group), as tile_q4.
+// One group g of R rows into `acc`, for the columns of half h (h * V::kCols onwards) of a column
+// block in format Fmt: integer sums, then one fp32 combine per group.
+// long: the hot loop reads top to bottom (codes, integer sums, the group's scales, the combine), as tile_q4.
 template <int Fmt, int R>
-void tile_qx(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
+[[gnu::always_inline]] inline void qx_group(const Packed& w, int64_t block, int64_t g, int64_t h, const Act& a,
+                                            int64_t r0, typename V::F (&acc)[R]) {
   constexpr int S = Fmt == kQ6_K ? 2 : 1;
   constexpr int C = std::min(chains<R>(), kRuns / S);
   constexpr int Widen = V::kDot8Int32 ? kGroup : code_bits(Fmt) == 4 ? 8 : code_bits(Fmt) == 5 ? 4 : 2;
   constexpr int64_t bytes = group_bytes(Fmt);
   constexpr int64_t subs = kBytes4 + high_bytes(Fmt);  // a K-quant's sub-block scales, in the group's bytes
-  const int64_t k = a.k, groups = a.groups;
-  for (int64_t h = 0; h < kCols / V::kCols; ++h) {
-    typename V::F acc[R];
+  const int64_t k = a.k, groups = a.groups, at = block * groups + g;
+  const uint8_t* raw = w.codes + at * bytes;
+  typename V::B wv[kRuns];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = block * groups + g;
-      const uint8_t* raw = w.codes + at * bytes;
-      prefetch_group(raw + prefetch_distance(h, groups, bytes), bytes);
-      typename V::B wv[kRuns];
+  for (int p = 0; p < kRuns; ++p) wv[p] = qx_codes<Fmt>(raw, p, h);
+  typename V::I tot[R][S];
+  qx_sums<R, C, S, Widen>(wv, a.q8 + r0 * k + g * kGroup, k, tot);
+  // This group's scale (and offset) per column, before the activations' step.
+  const int64_t scale_at = (is_kquant(Fmt) ? block * (groups / kSuperGroups) + g / kSuperGroups : at) * kCols;
+  const typename V::F d = V::halves(w.d + scale_at + h * V::kCols);
+  typename V::F dg[S], mg;
+  if constexpr (Fmt == kQ6_K) {
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) dg[s] = V::mul(d, V::cvt(V::lanes_i8(raw + subs + s * kCols + h * V::kCols)));
+  } else if constexpr (is_kquant(Fmt)) {  // w = (d sc) q - (dmin mn)
+    dg[0] = V::mul(d, V::cvt(V::lanes_u8(raw + subs + h * V::kCols)));
+    mg = V::sub_f(V::zero_f(), V::mul(V::halves(w.m + scale_at + h * V::kCols),
+                                      V::cvt(V::lanes_u8(raw + subs + kCols + h * V::kCols))));
+  } else {
+    dg[0] = d;
+    if constexpr (has_offsets(Fmt)) mg = V::halves(w.m + scale_at + h * V::kCols);
+  }
 #pragma GCC unroll 8
-      for (int p = 0; p < kRuns; ++p) wv[p] = qx_codes<Fmt>(raw, p, h);
-      typename V::I tot[R][S];
-      qx_sums<R, C, S, Widen>(wv, a.q8 + r0 * k + g * kGroup, k, tot);
-      // This group's scale (and offset) per column, before the activations' step.
-      const int64_t scale_at = (is_kquant(Fmt) ? block * (groups / kSuperGroups) + g / kSuperGroups : at) * kCols;
-      const typename V::F d = V::halves(w.d + scale_at + h * V::kCols);
-      typename V::F dg[S], mg;
-      if constexpr (Fmt == kQ6_K) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t row_group = (r0 + r) * groups + g;
+    typename V::I value[S];
 #pragma GCC unroll 2
-        for (int s = 0; s < S; ++s) dg[s] = V::mul(d, V::cvt(V::lanes_i8(raw + subs + s * kCols + h * V::kCols)));
-      } else if constexpr (is_kquant(Fmt)) {  // w = (d sc) q - (dmin mn)
-        dg[0] = V::mul(d, V::cvt(V::lanes_u8(raw + subs + h * V::kCols)));
-        mg = V::sub_f(V::zero_f(), V::mul(V::halves(w.m + scale_at + h * V::kCols),
-                                          V::cvt(V::lanes_u8(raw + subs + kCols + h * V::kCols))));
-      } else {
-        dg[0] = d;
-        if constexpr (has_offsets(Fmt)) mg = V::halves(w.m + scale_at + h * V::kCols);
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const int64_t row_group = (r0 + r) * groups + g;
-        typename V::I value[S];
+    for (int s = 0; s < S; ++s) value[s] = tot[r][s];
+    if (a.outlier[row_group]) {  // this row's own flag: its bits never depend on the others
+      typename V::I t2[1][S];
+      qx_sums<1, std::min(chains<1>(), kRuns / S), S, Widen>(wv, a.r8 + (r0 + r) * k + g * kGroup, k, t2);
 #pragma GCC unroll 2
-        for (int s = 0; s < S; ++s) value[s] = tot[r][s];
-        if (a.outlier[row_group]) {  // this row's own flag: its bits never depend on the others
-          typename V::I t2[1][S];
-          qx_sums<1, std::min(2, kRuns / S), S, Widen>(wv, a.r8 + (r0 + r) * k + g * kGroup, k, t2);
-#pragma GCC unroll 2
-          for (int s = 0; s < S; ++s)  // 254 T1 + T2, exact in int32
-            value[s] = V::add(V::sub_i(V::template slli<8>(value[s]), V::template slli<1>(value[s])), t2[0][s]);
-        }
-        const typename V::F xs = V::set1(a.scale[row_group]);
-#pragma GCC unroll 2
-        for (int s = 0; s < S; ++s) {
-          if constexpr (center(Fmt) != 0) {  // w = d (q - centre): centre x the activations' sum, in int32
-            const int32_t sum = S == 2 ? a.hsum[2 * row_group + s] : static_cast<int32_t>(a.sum[row_group]);
-            value[s] = V::sub_i(value[s], V::set1_i(center(Fmt) * sum));
-          }
-          acc[r] = V::fma(V::mul(dg[s], xs), V::cvt(value[s]), acc[r]);
-        }
-        if constexpr (has_offsets(Fmt)) acc[r] = V::fma(mg, V::set1(a.ssum[row_group]), acc[r]);
-      }
+      for (int s = 0; s < S; ++s)  // 254 T1 + T2, exact in int32
+        value[s] = V::add(V::sub_i(V::template slli<8>(value[s]), V::template slli<1>(value[s])), t2[0][s]);
     }
+    const typename V::F xs = V::set1(a.scale[row_group]);
+#pragma GCC unroll 2
+    for (int s = 0; s < S; ++s) {
+      if constexpr (center(Fmt) != 0) {  // w = d (q - centre): centre x the activations' sum, in int32
+        const int32_t sum = S == 2 ? a.hsum[2 * row_group + s] : static_cast<int32_t>(a.sum[row_group]);
+        value[s] = V::sub_i(value[s], V::set1_i(center(Fmt) * sum));
+      }
+      acc[r] = V::fma(V::mul(dg[s], xs), V::cvt(value[s]), acc[r]);
+    }
+    if constexpr (has_offsets(Fmt)) acc[r] = V::fma(mg, V::set1(a.ssum[row_group]), acc[r]);
+  }
+}
+
+// R rows x 16 output columns of one column block in format Fmt; `out` is [R][16] fp32. An 8-lane
+// machine takes H halves of the block per pass over its groups (tile_halves).
+template <int Fmt, int R>
+void tile_qx(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
+  constexpr int H = tile_halves<R>();
+  constexpr int64_t bytes = group_bytes(Fmt);
+  const int64_t groups = a.groups;
+  for (int64_t h0 = 0; h0 < kCols / V::kCols; h0 += H) {
+    typename V::F acc[H][R];
+#pragma GCC unroll 2
+    for (int hh = 0; hh < H; ++hh)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) V::store(out + r * kCols + h * V::kCols, acc[r]);
+      for (int r = 0; r < R; ++r) acc[hh][r] = V::zero_f();
+    for (int64_t g = 0; g < groups; ++g) {
+      prefetch_group(w.codes + (block * groups + g) * bytes + prefetch_distance(h0, H, groups, bytes), bytes);
+#pragma GCC unroll 2
+      for (int hh = 0; hh < H; ++hh) qx_group<Fmt, R>(w, block, g, h0 + hh, a, r0, acc[hh]);
+    }
+#pragma GCC unroll 2
+    for (int hh = 0; hh < H; ++hh)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) V::store(out + r * kCols + (h0 + hh) * V::kCols, acc[hh][r]);
   }
 }
