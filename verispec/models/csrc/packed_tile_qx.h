@@ -1,7 +1,7 @@
 // The packed matmul's tiles for 5- and 6-bit codes and the K-quants (Q5_0, Q5_1, Q4_K, Q5_K,
 // Q6_K), over a vector traits struct `V`; included by packed_linear_body.h once per variant.
 //
-// They follow tile_q4: int8 activations (with their residual in outlier groups), exact integer
+// They follow q4_group (packed_linear_body.h): int8 activations (with their residual in outlier groups), exact integer
 // sums of code x activation per group, one fp32 combine per group. What differs:
 // - a code is its nibble plus its high bits (layout: packed_layout.h), put together once per run
 //   for all rows;
@@ -51,7 +51,7 @@ inline void qx_sums(const typename V::B* wv, const int8_t* x, int64_t k, typenam
 
 // One group g of R rows into `acc`, for the columns of half h (h * V::kCols onwards) of a column
 // block in format Fmt: integer sums, then one fp32 combine per group.
-// long: the hot loop reads top to bottom (codes, integer sums, the group's scales, the combine), as tile_q4.
+// long: the hot loop reads top to bottom (codes, integer sums, the group's scales, the combine), as q4_group.
 template <int Fmt, int R>
 [[gnu::always_inline]] inline void qx_group(const Packed& w, int64_t block, int64_t g, int64_t h, const Act& a,
                                             int64_t r0, typename V::F (&acc)[R]) {
@@ -105,30 +105,5 @@ template <int Fmt, int R>
       acc[r] = V::fma(V::mul(dg[s], xs), V::cvt(value[s]), acc[r]);
     }
     if constexpr (has_offsets(Fmt)) acc[r] = V::fma(mg, V::set1(a.ssum[row_group]), acc[r]);
-  }
-}
-
-// R rows x 16 output columns of one column block in format Fmt; `out` is [R][16] fp32. An 8-lane
-// machine takes H halves of the block per pass over its groups (tile_halves).
-template <int Fmt, int R>
-void tile_qx(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
-  constexpr int H = tile_halves<R>();
-  constexpr int64_t bytes = group_bytes(Fmt);
-  const int64_t groups = a.groups;
-  for (int64_t h0 = 0; h0 < kCols / V::kCols; h0 += H) {
-    typename V::F acc[H][R];
-#pragma GCC unroll 2
-    for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[hh][r] = V::zero_f();
-    for (int64_t g = 0; g < groups; ++g) {
-      prefetch_group(w.codes + (block * groups + g) * bytes + prefetch_distance(h0, H, groups, bytes), bytes);
-#pragma GCC unroll 2
-      for (int hh = 0; hh < H; ++hh) qx_group<Fmt, R>(w, block, g, h0 + hh, a, r0, acc[hh]);
-    }
-#pragma GCC unroll 2
-    for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) V::store(out + r * kCols + (h0 + hh) * V::kCols, acc[hh][r]);
   }
 }
