@@ -22,16 +22,22 @@
 #include "packed_layout.h"
 
 namespace vs {  // named: the tiles of each instruction set take it from their own sources
-struct Act {  // a call's activations, one layout per weight format
-  const int16_t* q16;  // [M, K]: Q8_0's int16 values
-  const int8_t* q8;    // [M, K]: int8 values
-  const int8_t* r8;    // [M, K]: int8 residuals; zero outside outlier groups
-  const uint8_t* outlier;  // [M, groups]: whether r8 holds a residual
-  const float* scale;  // [M, groups]: the group's step (int8: s1, or s in an outlier group)
-  const float* sum;    // [M, groups]: int8: the sum of the group's values on that step (exact)
-  const float* ssum;   // [M, groups]: int8: scale * sum, for the offsets (Q4_1, Q5_1, Q4_K, Q5_K)
-  const int32_t* hsum;  // [M, groups, 2]: int8: the sum over inputs 0..15 and 16..31 (Q6_K's sub-blocks)
-  int64_t k, groups;
+struct GroupMeta {  // what a row's group adds to the combine besides its integer sums
+  float scale;       // the group's step (int8: s1, or s in an outlier group)
+  float sum;         // int8: the sum of the group's values on that step (exact)
+  float ssum;        // int8: scale * sum, for the offsets (Q4_1, Q5_1, Q4_K, Q5_K)
+  int32_t half[2];   // int8: the sums over inputs 0..15 and 16..31 (Q6_K's sub-blocks)
+  int32_t outlier;   // int8: whether r8 holds a residual
+};
+// A call's activations, group-major: group g of row r at [g][r], so a tile's rows of one group
+// sit at constant offsets from one pointer (a register per array, not one per row).
+struct Act {
+  const int16_t* q16;  // [groups, M, 32]: Q8_0's int16 values
+  const int8_t* q8;    // [groups, M, 32]: int8 values
+  const int8_t* r8;    // [groups, M, 32]: int8 residuals; zero outside outlier groups
+  const GroupMeta* meta;  // [groups, M]
+  int64_t m, k, groups;
+  int64_t at(int64_t g, int64_t r0) const { return g * m + r0; }  // rows r0.. of group g
 };
 }  // namespace vs
 
@@ -47,12 +53,9 @@ using vs::Act;
 struct ActBuffers {  // owns what an Act points at
   std::vector<int16_t> q16;
   std::vector<int8_t> q8, r8;
-  std::vector<uint8_t> outlier;
-  std::vector<float> scale, sum, ssum;
-  std::vector<int32_t> hsum;
-  Act act(int64_t k, int64_t groups) const {
-    return {q16.data(), q8.data(), r8.data(), outlier.data(), scale.data(), sum.data(), ssum.data(), hsum.data(),
-            k, groups};
+  std::vector<vs::GroupMeta> meta;
+  Act act(int64_t m, int64_t k, int64_t groups) const {
+    return {q16.data(), q8.data(), r8.data(), meta.data(), m, k, groups};
   }
 };
 
@@ -76,62 +79,66 @@ template <typename T>
 void quantize_int16(const T* x, int64_t m, int64_t k, ActBuffers& b) {
   const int64_t groups = k / kGroup;
   b.q16.assign(m * k, 0);
-  b.scale.resize(m * groups);
-  for (int64_t i = 0; i < m * groups; ++i) {  // row-major: group i of the flattened [M * groups]
-    float v[kGroup], amax;
-    const bool finite = load_group(x + i * kGroup, v, amax);
-    const float d = amax / static_cast<float>(kAct16Max);
-    if (finite && d > 0.f)
-      for (int64_t j = 0; j < kGroup; ++j)
-        b.q16[i * kGroup + j] = static_cast<int16_t>(std::clamp(std::nearbyint(v[j] / d), -float(kAct16Max), float(kAct16Max)));
-    b.scale[i] = finite ? d : std::numeric_limits<float>::quiet_NaN();
-  }
+  b.meta.assign(m * groups, vs::GroupMeta{});
+  for (int64_t row = 0; row < m; ++row)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t i = g * m + row;  // group-major (Act)
+      float v[kGroup], amax;
+      const bool finite = load_group(x + row * k + g * kGroup, v, amax);
+      const float d = amax / static_cast<float>(kAct16Max);
+      if (finite && d > 0.f)
+        for (int64_t j = 0; j < kGroup; ++j)
+          b.q16[i * kGroup + j] = static_cast<int16_t>(std::clamp(std::nearbyint(v[j] / d), -float(kAct16Max), float(kAct16Max)));
+      b.meta[i].scale = finite ? d : std::numeric_limits<float>::quiet_NaN();
+    }
 }
 
+// One group of 32 values into its int8 codes `q`, residuals `r` and `meta`.
 // Written for the compiler's vectorizer: integer max (load_group) and sums, and the exact float
 // operations (division, rint, fma, min, max) give the same bits in vectors as in scalars, so every
 // build level quantizes alike.
+template <typename T>
+void quantize_group_int8(const T* xs, int8_t* q, int8_t* r, vs::GroupMeta& meta) {
+  float v[kGroup], q1[kGroup], amax;
+  const bool finite = load_group(xs, v, amax);
+  const float s1 = amax / static_cast<float>(kAct8Max), s = s1 / static_cast<float>(kResidualSteps);
+  meta.scale = finite ? s1 : std::numeric_limits<float>::quiet_NaN();
+  meta.ssum = meta.scale * 0.f;  // NaN with the scale
+  if (!finite || !(s > 0.f)) return;
+  int32_t squares = 0, sum1 = 0, sum2 = 0, half1 = 0, half2 = 0;  // half: inputs 0..15
+  for (int64_t j = 0; j < kGroup; ++j) {
+    q1[j] = std::min(std::max(std::rint(v[j] / s1), -float(kAct8Max)), float(kAct8Max));
+    q[j] = static_cast<int8_t>(q1[j]);
+  }
+  for (int64_t j = 0; j < kGroup; ++j) squares += q[j] * q[j], sum1 += q[j];
+  for (int64_t j = 0; j < kGroup / 2; ++j) half1 += q[j];
+  // max|x| > 4 rms, on the int8 values (exact): 127^2 > 16 sum(q1^2) / 32.
+  const bool outlier = squares < kOutlierSquares;
+  if (outlier) {
+    for (int64_t j = 0; j < kGroup; ++j)  // fma: the residual x - s1 q1, rounded once
+      r[j] = static_cast<int8_t>(std::min(std::max(std::rint(std::fma(-q1[j], s1, v[j]) / s), -float(kAct8Max)), float(kAct8Max)));
+    for (int64_t j = 0; j < kGroup; ++j) sum2 += r[j];
+    for (int64_t j = 0; j < kGroup / 2; ++j) half2 += r[j];
+  }
+  meta.outlier = outlier;
+  meta.scale = outlier ? s : s1;
+  meta.sum = static_cast<float>(outlier ? kResidualSteps * sum1 + sum2 : sum1);  // < 2^24: exact
+  meta.half[0] = outlier ? kResidualSteps * half1 + half2 : half1;
+  meta.half[1] = outlier ? kResidualSteps * (sum1 - half1) + (sum2 - half2) : sum1 - half1;
+  meta.ssum = meta.scale * meta.sum;
+}
+
 template <typename T>
 void quantize_int8(const T* x, int64_t m, int64_t k, ActBuffers& b) {
   const int64_t groups = k / kGroup;
   b.q8.assign(m * k, 0);
   b.r8.assign(m * k, 0);
-  b.outlier.assign(m * groups, 0);
-  b.scale.resize(m * groups);
-  b.sum.assign(m * groups, 0.f);
-  b.ssum.assign(m * groups, 0.f);
-  b.hsum.assign(2 * m * groups, 0);
-  for (int64_t i = 0; i < m * groups; ++i) {
-    float v[kGroup], q1[kGroup], amax;
-    const bool finite = load_group(x + i * kGroup, v, amax);
-    const float s1 = amax / static_cast<float>(kAct8Max), s = s1 / static_cast<float>(kResidualSteps);
-    b.scale[i] = finite ? s1 : std::numeric_limits<float>::quiet_NaN();
-    b.ssum[i] = b.scale[i] * 0.f;  // NaN with the scale
-    if (!finite || !(s > 0.f)) continue;
-    int8_t* q = b.q8.data() + i * kGroup;
-    int32_t squares = 0, sum1 = 0, sum2 = 0, half1 = 0, half2 = 0;  // half: inputs 0..15
-    for (int64_t j = 0; j < kGroup; ++j) {
-      q1[j] = std::min(std::max(std::rint(v[j] / s1), -float(kAct8Max)), float(kAct8Max));
-      q[j] = static_cast<int8_t>(q1[j]);
+  b.meta.assign(m * groups, vs::GroupMeta{});
+  for (int64_t row = 0; row < m; ++row)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t i = g * m + row;  // group-major (Act)
+      quantize_group_int8(x + row * k + g * kGroup, b.q8.data() + i * kGroup, b.r8.data() + i * kGroup, b.meta[i]);
     }
-    for (int64_t j = 0; j < kGroup; ++j) squares += q[j] * q[j], sum1 += q[j];
-    for (int64_t j = 0; j < kGroup / 2; ++j) half1 += q[j];
-    // max|x| > 4 rms, on the int8 values (exact): 127^2 > 16 sum(q1^2) / 32.
-    const bool outlier = squares < kOutlierSquares;
-    if (outlier) {
-      int8_t* r = b.r8.data() + i * kGroup;
-      for (int64_t j = 0; j < kGroup; ++j)  // fma: the residual x - s1 q1, rounded once
-        r[j] = static_cast<int8_t>(std::min(std::max(std::rint(std::fma(-q1[j], s1, v[j]) / s), -float(kAct8Max)), float(kAct8Max)));
-      for (int64_t j = 0; j < kGroup; ++j) sum2 += r[j];
-      for (int64_t j = 0; j < kGroup / 2; ++j) half2 += r[j];
-    }
-    b.outlier[i] = outlier;
-    b.scale[i] = outlier ? s : s1;
-    b.sum[i] = static_cast<float>(outlier ? kResidualSteps * sum1 + sum2 : sum1);  // < 2^24: exact
-    b.hsum[2 * i] = outlier ? kResidualSteps * half1 + half2 : half1;
-    b.hsum[2 * i + 1] = (outlier ? kResidualSteps * (sum1 - half1) + (sum2 - half2) : sum1 - half1);
-    b.ssum[i] = b.scale[i] * b.sum[i];
-  }
 }
 
 }  // namespace

@@ -58,9 +58,10 @@ template <int Fmt, int R>
 [[gnu::always_inline]] inline void q4_group(const Packed& w, int64_t block, int64_t g, int64_t h, const Act& a,
                                             int64_t r0, typename V::F (&acc)[R]) {
   constexpr int C = chains<R>();
-  const int64_t k = a.k, groups = a.groups, at = block * groups + g;
+  const int64_t at = block * a.groups + g, ag = a.at(g, r0);
   const uint8_t* raw = w.codes + at * kBytes4;
-  const int8_t* x = a.q8 + r0 * k + g * kGroup;
+  const int8_t* x = a.q8 + ag * kGroup;  // row r at x + r * kGroup
+  const vs::GroupMeta* meta = a.meta + ag;
   typename V::I dot[R][C];  // exact sums of code x q1 over the group, in V::dot8's partial form
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -71,7 +72,7 @@ template <int Fmt, int R>
   for (int p = 0; p < kRuns; ++p) {
     wv[p] = qx_codes<Fmt>(raw, p, h);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot8(dot[r][p % C], wv[p], x + r * k + 4 * p);
+    for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot8(dot[r][p % C], wv[p], x + r * kGroup + 4 * p);
   }
   const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
   typename V::F m;
@@ -81,20 +82,19 @@ template <int Fmt, int R>
     typename V::I total = V::widen(dot[r][0]);
 #pragma GCC unroll 8
     for (int c = 1; c < C; ++c) total = V::add(total, V::widen(dot[r][c]));
-    const int64_t row_group = (r0 + r) * groups + g;
     typename V::F value = V::cvt(total);
-    if (a.outlier[row_group]) {  // this row's own flag: its bits never depend on the others
-      const int8_t* res = a.r8 + (r0 + r) * k + g * kGroup;
+    if (meta[r].outlier) {  // this row's own flag: its bits never depend on the others
+      const int8_t* res = a.r8 + (ag + r) * kGroup;
       typename V::I t2 = V::zero_i();
 #pragma GCC unroll 8
       for (int p = 0; p < kRuns; ++p) t2 = V::dot8(t2, wv[p], res + 4 * p);
       value = V::fma(value, V::set1(float(kResidualSteps)), V::cvt(V::widen(t2)));  // exact: below 2^24
     }
-    const typename V::F ds = V::mul(d, V::set1(a.scale[row_group]));
+    const typename V::F ds = V::mul(d, V::set1(meta[r].scale));
     if constexpr (Fmt == kQ4_0) {  // w = d (q - 8): the -8 taken off the exact integer value
-      acc[r] = V::fma(ds, V::sub_f(value, V::set1(8.f * a.sum[row_group])), acc[r]);
+      acc[r] = V::fma(ds, V::sub_f(value, V::set1(8.f * meta[r].sum)), acc[r]);
     } else {  // w = d q + m
-      acc[r] = V::fma(m, V::set1(a.ssum[row_group]), V::fma(ds, value, acc[r]));
+      acc[r] = V::fma(m, V::set1(meta[r].ssum), V::fma(ds, value, acc[r]));
     }
   }
 }
@@ -104,9 +104,9 @@ template <int R>
 [[gnu::always_inline]] inline void q8_group(const Packed& w, int64_t block, int64_t g, int64_t h, const Act& a,
                                             int64_t r0, typename V::F (&acc)[R]) {
   constexpr int C = chains<R>();
-  const int64_t k = a.k, groups = a.groups, at = block * groups + g;
+  const int64_t at = block * a.groups + g, ag = a.at(g, r0);
   const uint8_t* raw = w.codes + at * kBytes8 + h * 2 * V::kCols;
-  const int16_t* x = a.q16 + r0 * k + g * kGroup;
+  const int16_t* x = a.q16 + ag * kGroup;  // row r at x + r * kGroup
   typename V::I dot[R][C];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -115,7 +115,7 @@ template <int R>
   for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes (not unrolled: many rows would spill)
     const typename V::W wv = V::load8(raw + p * 2 * kCols);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * k + 2 * p);
+    for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * kGroup + 2 * p);
   }
   const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
 #pragma GCC unroll 8
@@ -123,8 +123,7 @@ template <int R>
     typename V::I total = dot[r][0];
 #pragma GCC unroll 8
     for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
-    const int64_t row_group = (r0 + r) * groups + g;
-    acc[r] = V::fma(V::set1(a.scale[row_group]), V::mul(d, V::cvt(total)), acc[r]);
+    acc[r] = V::fma(V::set1(a.meta[ag + r].scale), V::mul(d, V::cvt(total)), acc[r]);
   }
 }
 
@@ -165,7 +164,7 @@ void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) 
 template <int R>
 void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
   constexpr int C = chains<R>();
-  const int64_t k = a.k, groups = a.groups;
+  const int64_t groups = a.groups;
   for (int64_t h = 0; h < kCols / V::kCols; ++h) {
     typename V::F acc[R];
 #pragma GCC unroll 8
@@ -174,7 +173,8 @@ void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
       const int64_t at = block * groups + g;
       const uint8_t* raw = w.codes + at * kBytes8 + h * 2 * V::kCols;
       prefetch_group(raw - h * 2 * V::kCols + prefetch_distance(h, 1, groups, kBytes8), kBytes8);
-      const int16_t* x = a.q16 + r0 * k + g * kGroup;
+      const int64_t ag = a.at(g, r0);
+      const int16_t* x = a.q16 + ag * kGroup;  // row r at x + r * kGroup
       typename V::I dot[R][C];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
@@ -183,7 +183,7 @@ void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
       for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes
         const typename V::W wv = V::load8(raw + p * 2 * kCols);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * k + 2 * p);
+        for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * kGroup + 2 * p);
       }
       const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
 #pragma GCC unroll 8
@@ -191,8 +191,7 @@ void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* ou
         typename V::I total = dot[r][0];
 #pragma GCC unroll 8
         for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
-        const int64_t row_group = (r0 + r) * groups + g;
-        acc[r] = V::fma(V::set1(a.scale[row_group]), V::mul(d, V::cvt(total)), acc[r]);
+        acc[r] = V::fma(V::set1(a.meta[ag + r].scale), V::mul(d, V::cvt(total)), acc[r]);
       }
     }
 #pragma GCC unroll 8

@@ -21,7 +21,7 @@
 // (S = 2 for Q6_K's sub-blocks of 16 inputs, else 1), in C chains per row. A chain's int16 lanes
 // are widened after every `Widen` runs (never, with int32 sums): the sums are the same integers.
 template <int R, int C, int S, int Widen>
-inline void qx_sums(const typename V::B* wv, const int8_t* x, int64_t k, typename V::I (&tot)[R][S]) {
+inline void qx_sums(const typename V::B* wv, const int8_t* x, typename V::I (&tot)[R][S]) {
   constexpr int kSetRuns = kRuns / S;
 #pragma GCC unroll 2
   for (int s = 0; s < S; ++s) {
@@ -36,7 +36,7 @@ inline void qx_sums(const typename V::B* wv, const int8_t* x, int64_t k, typenam
     for (int q = 0; q < kSetRuns; ++q) {
       const int p = s * kSetRuns + q, c = q % C;
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) dot[r][c] = V::dot8(dot[r][c], wv[p], x + r * k + 4 * p);
+      for (int r = 0; r < R; ++r) dot[r][c] = V::dot8(dot[r][c], wv[p], x + r * kGroup + 4 * p);
       const bool last = q + C >= kSetRuns;  // chain c's last run of the set
       if (last || (q / C + 1) % Widen == 0) {
 #pragma GCC unroll 8
@@ -60,13 +60,14 @@ template <int Fmt, int R>
   constexpr int Widen = V::kDot8Int32 ? kGroup : code_bits(Fmt) == 4 ? 8 : code_bits(Fmt) == 5 ? 4 : 2;
   constexpr int64_t bytes = group_bytes(Fmt);
   constexpr int64_t subs = kBytes4 + high_bytes(Fmt);  // a K-quant's sub-block scales, in the group's bytes
-  const int64_t k = a.k, groups = a.groups, at = block * groups + g;
+  const int64_t groups = a.groups, at = block * groups + g, ag = a.at(g, r0);
   const uint8_t* raw = w.codes + at * bytes;
+  const vs::GroupMeta* meta = a.meta + ag;  // row r's at meta[r], its activations at (ag + r) * kGroup
   typename V::B wv[kRuns];
 #pragma GCC unroll 8
   for (int p = 0; p < kRuns; ++p) wv[p] = qx_codes<Fmt>(raw, p, h);
   typename V::I tot[R][S];
-  qx_sums<R, C, S, Widen>(wv, a.q8 + r0 * k + g * kGroup, k, tot);
+  qx_sums<R, C, S, Widen>(wv, a.q8 + ag * kGroup, tot);
   // This group's scale (and offset) per column, before the activations' step.
   const int64_t scale_at = (is_kquant(Fmt) ? block * (groups / kSuperGroups) + g / kSuperGroups : at) * kCols;
   const typename V::F d = V::halves(w.d + scale_at + h * V::kCols);
@@ -84,26 +85,25 @@ template <int Fmt, int R>
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    const int64_t row_group = (r0 + r) * groups + g;
     typename V::I value[S];
 #pragma GCC unroll 2
     for (int s = 0; s < S; ++s) value[s] = tot[r][s];
-    if (a.outlier[row_group]) {  // this row's own flag: its bits never depend on the others
+    if (meta[r].outlier) {  // this row's own flag: its bits never depend on the others
       typename V::I t2[1][S];
-      qx_sums<1, std::min(chains<1>(), kRuns / S), S, Widen>(wv, a.r8 + (r0 + r) * k + g * kGroup, k, t2);
+      qx_sums<1, std::min(chains<1>(), kRuns / S), S, Widen>(wv, a.r8 + (ag + r) * kGroup, t2);
 #pragma GCC unroll 2
       for (int s = 0; s < S; ++s)  // 254 T1 + T2, exact in int32
         value[s] = V::add(V::sub_i(V::template slli<8>(value[s]), V::template slli<1>(value[s])), t2[0][s]);
     }
-    const typename V::F xs = V::set1(a.scale[row_group]);
+    const typename V::F xs = V::set1(meta[r].scale);
 #pragma GCC unroll 2
     for (int s = 0; s < S; ++s) {
       if constexpr (center(Fmt) != 0) {  // w = d (q - centre): centre x the activations' sum, in int32
-        const int32_t sum = S == 2 ? a.hsum[2 * row_group + s] : static_cast<int32_t>(a.sum[row_group]);
+        const int32_t sum = S == 2 ? meta[r].half[s] : static_cast<int32_t>(meta[r].sum);
         value[s] = V::sub_i(value[s], V::set1_i(center(Fmt) * sum));
       }
       acc[r] = V::fma(V::mul(dg[s], xs), V::cvt(value[s]), acc[r]);
     }
-    if constexpr (has_offsets(Fmt)) acc[r] = V::fma(mg, V::set1(a.ssum[row_group]), acc[r]);
+    if constexpr (has_offsets(Fmt)) acc[r] = V::fma(mg, V::set1(meta[r].ssum), acc[r]);
   }
 }
