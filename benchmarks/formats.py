@@ -39,6 +39,7 @@ class FormatRow:
     ready_s: float  # engine start to first token, warm caches
     held_mib: float  # resident memory beyond the runtime and the KV pool, at the first token
     peak_mib: float  # peak resident memory beyond the runtime and the KV pool
+    step: str  # the kernels (and packed variant) and whether the step ran compiled
     llama_decode: float | None = None  # llama-bench tg128
     llama_prefill: float | None = None  # llama-bench pp512
 
@@ -63,6 +64,9 @@ def child(path: str, threads: int) -> dict[str, float]:
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], one, use_tqdm=False)
     ready = time.perf_counter() - start
+    # The steady state: the compiled step (a first run for this file and thread count compiles it
+    # in the background; measured beside that compile, the step would share the cores with it).
+    compiled = llm.engine.wait_for_compiled_step(900)
     cfg = llm.engine.model.cfg  # the KV pool: k and v, bf16, per layer
     kv = 64 * llm.engine.pool.block_size * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 * 2 / 2**20
     held = _rss_mib() - runtime - kv
@@ -76,7 +80,8 @@ def child(path: str, threads: int) -> dict[str, float]:
                                                                     ignore_eos=True), use_tqdm=False)
     decode = DECODE / (time.perf_counter() - t)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - runtime - kv
-    return {"decode": decode, "prefill": prefill, "ready_s": ready, "held_mib": held, "peak_mib": peak}
+    step = f"{llm.engine.runtime.kernels}, {'compiled' if compiled else 'eager'}"
+    return {"decode": decode, "prefill": prefill, "ready_s": ready, "held_mib": held, "peak_mib": peak, "step": step}
 
 
 def _verispec(path: Path, threads: int) -> dict[str, float]:
@@ -120,14 +125,14 @@ def _ratio(ours: float, theirs: float | None) -> str:
 
 def format_formats(rows: list[FormatRow]) -> str:
     lines = ["| file | threads | decode tok/s (llama-bench) | ratio | prefill 512 tok/s (llama-bench) | ratio | "
-             "held / peak MiB beyond runtime + KV (file) | warm start to first token |",
-             "|---|---|---|---|---|---|---|---|"]
+             "held / peak MiB beyond runtime + KV (file) | warm start to first token | verispec's step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ld = f"{r.llama_decode:.2f}" if r.llama_decode else "-"
         lp = f"{r.llama_prefill:.1f}" if r.llama_prefill else "-"
         lines.append(f"| 1B {r.scheme} | {r.threads} | {r.decode:.2f} ({ld}) | {_ratio(r.decode, r.llama_decode)} | "
                      f"{r.prefill:.1f} ({lp}) | {_ratio(r.prefill, r.llama_prefill)} | "
-                     f"{r.held_mib:.0f} / {r.peak_mib:.0f} ({r.file_mib:.0f}) | {r.ready_s:.1f} s |")
+                     f"{r.held_mib:.0f} / {r.peak_mib:.0f} ({r.file_mib:.0f}) | {r.ready_s:.1f} s | {r.step} |")
     return "\n".join(lines)
 
 

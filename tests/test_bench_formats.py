@@ -15,10 +15,11 @@ from benchmarks.options import add_arguments, resolve
 
 
 def test_the_table_gives_ratios_and_dashes_without_the_peer():
-    rows = [FormatRow("Q4_K_M", 1, 636.0, 15.0, 33.0, 16.6, 700.0, 760.0, 17.8, 40.8),
-            FormatRow("Q4_0", 2, 601.0, 30.0, 80.0, 15.0, 650.0, 700.0)]
+    rows = [FormatRow("Q4_K_M", 1, 636.0, 15.0, 33.0, 16.6, 700.0, 760.0, "verispec AVX2, compiled", 17.8, 40.8),
+            FormatRow("Q4_0", 2, 601.0, 30.0, 80.0, 15.0, 650.0, 700.0, "verispec AVX2, eager")]
     table = format_formats(rows).splitlines()
-    assert "| 1B Q4_K_M | 1 | 15.00 (17.80) | 0.84x | 33.0 (40.8) | 0.81x | 700 / 760 (636) | 16.6 s |" == table[2]
+    assert table[2] == ("| 1B Q4_K_M | 1 | 15.00 (17.80) | 0.84x | 33.0 (40.8) | 0.81x | 700 / 760 (636) | 16.6 s "
+                        "| verispec AVX2, compiled |")
     assert "| 1B Q4_0 | 2 | 30.00 (-) | - | 80.0 (-) | - |" in table[3]
 
 
