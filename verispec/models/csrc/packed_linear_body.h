@@ -99,35 +99,23 @@ template <int Fmt, int R>
   }
 }
 
-// The same for 8-bit codes (Q8_0, w = d q) on int16 activations: one int16 pair per 32-bit lane.
-template <int R>
-[[gnu::always_inline]] inline void q8_group(const Packed& w, int64_t block, int64_t g, int64_t h, const Act& a,
-                                            int64_t r0, typename V::F (&acc)[R]) {
-  constexpr int C = chains<R>();
-  const int64_t at = block * a.groups + g, ag = a.at(g, r0);
-  const uint8_t* raw = w.codes + at * kBytes8 + h * 2 * V::kCols;
-  const int16_t* x = a.q16 + ag * kGroup;  // row r at x + r * kGroup
-  typename V::I dot[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
-  for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes (not unrolled: many rows would spill)
-    const typename V::W wv = V::load8(raw + p * 2 * kCols);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * kGroup + 2 * p);
-  }
-  const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    typename V::I total = dot[r][0];
-#pragma GCC unroll 8
-    for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
-    acc[r] = V::fma(V::set1(a.meta[ag + r].scale), V::mul(d, V::cvt(total)), acc[r]);
-  }
-}
-
 #include "packed_tile_qx.h"
+
+// A pass's accumulators: H halves x R rows of V::kCols columns.
+template <int H, int R>
+[[gnu::always_inline]] inline void zero_acc(typename V::F (&acc)[H][R]) {
+#pragma GCC unroll 2
+  for (int hh = 0; hh < H; ++hh)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[hh][r] = V::zero_f();
+}
+template <int H, int R>
+[[gnu::always_inline]] inline void store_acc(typename V::F (&acc)[H][R], int64_t h0, float* out) {
+#pragma GCC unroll 2
+  for (int hh = 0; hh < H; ++hh)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) V::store(out + r * kCols + (h0 + hh) * V::kCols, acc[hh][r]);
+}
 
 // R rows x 16 output columns of one column block in format Fmt, over every group of K; `out` is
 // [R][16] fp32. An 8-lane machine takes H halves of the block per pass over its groups (tile_halves).
@@ -138,70 +126,64 @@ void tile(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) 
   const int64_t groups = a.groups;
   for (int64_t h0 = 0; h0 < kCols / V::kCols; h0 += H) {
     typename V::F acc[H][R];
-#pragma GCC unroll 2
-    for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[hh][r] = V::zero_f();
+    zero_acc(acc);
     for (int64_t g = 0; g < groups; ++g) {
       prefetch_group(w.codes + (block * groups + g) * bytes + prefetch_distance(h0, H, groups, bytes), bytes);
 #pragma GCC unroll 2
       for (int hh = 0; hh < H; ++hh) {
         if constexpr (Fmt == kQ4_0 || Fmt == kQ4_1) q4_group<Fmt, R>(w, block, g, h0 + hh, a, r0, acc[hh]);
-        else if constexpr (Fmt == kQ8_0) q8_group<R>(w, block, g, h0 + hh, a, r0, acc[hh]);
         else qx_group<Fmt, R>(w, block, g, h0 + hh, a, r0, acc[hh]);
       }
     }
-#pragma GCC unroll 2
-    for (int hh = 0; hh < H; ++hh)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) V::store(out + r * kCols + (h0 + hh) * V::kCols, acc[hh][r]);
+    store_acc(acc, h0, out);
   }
 }
 
-// Q8_0 with one half per pass (tile_halves: 1): its own loop, as it was before q8_group. Through
-// q8_group the compiler spilled the weights at 4 and 8 rows (5-10 % slower); through `tile` it is
-// faster where a pass takes both halves (AVX2, 1-2 rows: 1.4x at one row).
+// The same for 8-bit codes (Q8_0, w = d q) on int16 activations: one int16 pair per 32-bit lane.
+// Its own loop, the group's body written out: through a helper inlined into `tile`, as the other
+// formats', the compiler spilled the weights at 4 and 8 rows (5-10 % slower).
+// long: the hot loop reads top to bottom, as q4_group's.
 template <int R>
 void tile_q8(const Packed& w, int64_t block, const Act& a, int64_t r0, float* out) {
-  constexpr int C = chains<R>();
+  constexpr int C = chains<R>(), H = tile_halves<R>();
   const int64_t groups = a.groups;
-  for (int64_t h = 0; h < kCols / V::kCols; ++h) {
-    typename V::F acc[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = V::zero_f();
+  for (int64_t h0 = 0; h0 < kCols / V::kCols; h0 += H) {
+    typename V::F acc[H][R];
+    zero_acc(acc);
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = block * groups + g;
-      const uint8_t* raw = w.codes + at * kBytes8 + h * 2 * V::kCols;
-      prefetch_group(raw - h * 2 * V::kCols + prefetch_distance(h, 1, groups, kBytes8), kBytes8);
-      const int64_t ag = a.at(g, r0);
+      const int64_t at = block * groups + g, ag = a.at(g, r0);
+      prefetch_group(w.codes + at * kBytes8 + prefetch_distance(h0, H, groups, kBytes8), kBytes8);
       const int16_t* x = a.q16 + ag * kGroup;  // row r at x + r * kGroup
-      typename V::I dot[R][C];
+#pragma GCC unroll 2
+      for (int hh = 0; hh < H; ++hh) {
+        const uint8_t* raw = w.codes + at * kBytes8 + (h0 + hh) * 2 * V::kCols;
+        typename V::I dot[R][C];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
-      for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes
-        const typename V::W wv = V::load8(raw + p * 2 * kCols);
+          for (int c = 0; c < C; ++c) dot[r][c] = V::zero_i();
+        for (int64_t p = 0; p < kGroup / 2; ++p) {  // one pair of K per 32 bytes (not unrolled: many rows would spill)
+          const typename V::W wv = V::load8(raw + p * 2 * kCols);
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * kGroup + 2 * p);
-      }
-      const typename V::F d = V::halves(w.d + at * kCols + h * V::kCols);
+          for (int r = 0; r < R; ++r) dot[r][p % C] = V::dot(dot[r][p % C], wv, x + r * kGroup + 2 * p);
+        }
+        const typename V::F d = V::halves(w.d + at * kCols + (h0 + hh) * V::kCols);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        typename V::I total = dot[r][0];
+        for (int r = 0; r < R; ++r) {
+          typename V::I total = dot[r][0];
 #pragma GCC unroll 8
-        for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
-        acc[r] = V::fma(V::set1(a.meta[ag + r].scale), V::mul(d, V::cvt(total)), acc[r]);
+          for (int c = 1; c < C; ++c) total = V::add(total, dot[r][c]);
+          acc[hh][r] = V::fma(V::set1(a.meta[ag + r].scale), V::mul(d, V::cvt(total)), acc[hh][r]);
+        }
       }
     }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) V::store(out + r * kCols + h * V::kCols, acc[r]);
+    store_acc(acc, h0, out);
   }
 }
 
 template <int Fmt, int R>
 constexpr TileFn tile_of() {
-  if constexpr (Fmt == kQ8_0 && tile_halves<R>() == 1) return &tile_q8<R>;
+  if constexpr (Fmt == kQ8_0) return &tile_q8<R>;
   else return &tile<Fmt, R>;
 }
 
