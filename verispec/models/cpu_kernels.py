@@ -60,8 +60,9 @@ class KernelBuild:
 
 
 def packed_variant() -> str:
-    """The packed matmul's instruction-set variant: the one `VERISPEC_PACKED_VARIANT` names (for
-    comparisons; an error names the ones this build runs here), else the best this CPU runs."""
+    """The packed matmul's instruction-set variant: the one the environment names (envs.py's
+    PACKED_VARIANT, for comparisons; an error names the ones this build runs here), else the best
+    this CPU runs."""
     runs = torch.ops.verispec_cpu.packed_variants()
     asked = envs.packed_variant()
     if asked and asked not in runs:
