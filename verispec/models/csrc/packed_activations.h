@@ -36,7 +36,7 @@ struct Act {
   const int8_t* q8;    // [groups, M, 32]: int8 values
   const int8_t* r8;    // [groups, M, 32]: int8 residuals; zero outside outlier groups
   const GroupMeta* meta;  // [groups, M]
-  int64_t m, k, groups;
+  int64_t m, groups;
   int64_t at(int64_t g, int64_t r0) const { return g * m + r0; }  // rows r0.. of group g
 };
 }  // namespace vs
@@ -54,8 +54,8 @@ struct ActBuffers {  // owns what an Act points at
   std::vector<int16_t> q16;
   std::vector<int8_t> q8, r8;
   std::vector<vs::GroupMeta> meta;
-  Act act(int64_t m, int64_t k, int64_t groups) const {
-    return {q16.data(), q8.data(), r8.data(), meta.data(), m, k, groups};
+  Act act(int64_t m, int64_t groups) const {
+    return {q16.data(), q8.data(), r8.data(), meta.data(), m, groups};
   }
 };
 

@@ -127,7 +127,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at:
     else
       quantize_int8(xc.data_ptr<scalar_t>(), m, k, buffers);
   });
-  const Act act = buffers.act(m, k, groups);
+  const Act act = buffers.act(m, groups);
   const Packed w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                  offsets ? reinterpret_cast<const uint16_t*>(offsets->data_ptr<at::Half>()) : nullptr};
   const auto& fns = table.fn[format];

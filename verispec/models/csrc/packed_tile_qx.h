@@ -1,8 +1,9 @@
 // The packed matmul's tiles for 5- and 6-bit codes and the K-quants (Q5_0, Q5_1, Q4_K, Q5_K,
 // Q6_K), over a vector traits struct `V`; included by packed_linear_body.h once per variant.
 //
-// They follow q4_group (packed_linear_body.h): int8 activations (with their residual in outlier groups), exact integer
-// sums of code x activation per group, one fp32 combine per group. What differs:
+// They follow q4_group (packed_linear_body.h): int8 activations (with their residual in outlier
+// groups), exact integer sums of code x activation per group, one fp32 combine per group. What
+// differs:
 // - a code is its nibble plus its high bits (layout: packed_layout.h), put together once per run
 //   for all rows;
 // - without VNNI, dot8's int16 lanes hold fewer runs before they must be widened to int32:
